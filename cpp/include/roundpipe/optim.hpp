@@ -1,0 +1,6 @@
+// Umbrella header of the RoundPipe CPU optimizer library (target RoundPipe::optim).
+#pragma once
+#include "roundpipe/adam.hpp"
+#include "roundpipe/error.hpp"
+#include "roundpipe/isa.hpp"
+#include "roundpipe/threads.hpp"

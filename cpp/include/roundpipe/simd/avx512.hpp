@@ -1,0 +1,53 @@
+// 16-lane float vector on AVX-512F. Include only from the AVX-512 translation unit (compiled
+// with -mavx512f and friends), after defining ROUNDPIPE_ISA_NS; see scalar.hpp for why.
+#pragma once
+#include <immintrin.h>
+
+#include "scalar.hpp"
+
+namespace roundpipe {
+namespace ROUNDPIPE_ISA_NS {
+
+struct Vec {
+  struct Mask {
+    __mmask16 m;
+  };
+  static constexpr std::size_t width = 16;
+  __m512 v;
+
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+
+  friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
+  friend Vec operator-(Vec a) {
+    return {_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a.v),
+                                                 _mm512_set1_epi32(INT32_MIN)))};
+  }
+
+  friend Mask operator<(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ)}; }
+  friend Mask operator>(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ)}; }
+  friend Mask operator==(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ)}; }
+  friend Mask operator!=(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_NEQ_UQ)}; }
+};
+
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec sqrt(Vec a) { return {_mm512_sqrt_ps(a.v)}; }
+inline Vec abs(Vec a) {
+  return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a.v),
+                                               _mm512_set1_epi32(INT32_MAX)))};
+}
+inline Vec select(Vec::Mask m, Vec a, Vec b) { return {_mm512_mask_blend_ps(m.m, b.v, a.v)}; }
+// max_ps(a, b) yields b when either is NaN; patch the lanes where a is NaN.
+inline Vec maximum(Vec a, Vec b) {
+  return select({_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q)}, a, {_mm512_max_ps(a.v, b.v)});
+}
+inline Vec minimum(Vec a, Vec b) {
+  return select({_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q)}, a, {_mm512_min_ps(a.v, b.v)});
+}
+
+}  // namespace ROUNDPIPE_ISA_NS
+}  // namespace roundpipe

@@ -1,0 +1,9 @@
+// Scalar kernels: the portable fallback, compiled with the baseline flags only.
+#define ROUNDPIPE_ISA_NS scalar
+#include "roundpipe/simd/scalar.hpp"
+namespace roundpipe {
+namespace scalar {
+using Vec = Scalar;
+}  // namespace scalar
+}  // namespace roundpipe
+#include "isa_table.inc"

@@ -1,0 +1,19 @@
+// Internal: the table of kernel entry points one ISA translation unit provides, and the
+// dispatcher's accessor for the active one.
+#pragma once
+#include <cstddef>
+
+#include "roundpipe/kernels/adam.hpp"
+
+namespace roundpipe {
+namespace detail {
+
+struct KernelTable {
+  void (*adam)(const AdamCoeffs&, const AdamPtrs&, std::size_t begin, std::size_t end);
+};
+
+// The table of the active ISA (roundpipe::active_isa()); throws roundpipe::Error as that does.
+const KernelTable& active_kernels();
+
+}  // namespace detail
+}  // namespace roundpipe

@@ -1,0 +1,225 @@
+// roundpipe::adam_step against a float64 Adam written here from the paper's formulas (with
+// torch.optim.Adam's conventions for weight decay, maximize and AMSGrad), on every ISA, every
+// flag combination and every tail size.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "roundpipe/adam.hpp"
+#include "support.hpp"
+
+namespace {
+
+using roundpipe::AdamOptions;
+using roundpipe::AdamTensor;
+
+struct RefAdam {
+  std::vector<double> p, m, v, vmax;
+  int step = 0;
+
+  explicit RefAdam(const std::vector<float>& p0)
+      : p(p0.begin(), p0.end()), m(p0.size()), v(p0.size()), vmax(p0.size()) {}
+
+  void update(const AdamOptions& o, const std::vector<float>& grad) {
+    ++step;
+    const double bc1 = 1 - std::pow(o.beta1, step), bc2 = 1 - std::pow(o.beta2, step);
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      double g = o.maximize ? -double(grad[i]) : double(grad[i]);
+      if (o.decoupled_weight_decay)
+        p[i] *= 1 - o.lr * o.weight_decay;
+      else
+        g += o.weight_decay * p[i];
+      m[i] = o.beta1 * m[i] + (1 - o.beta1) * g;
+      v[i] = o.beta2 * v[i] + (1 - o.beta2) * g * g;
+      vmax[i] = std::max(vmax[i], v[i]);
+      const double vhat = (o.amsgrad ? vmax[i] : v[i]) / bc2;
+      p[i] -= o.lr * (m[i] / bc1) / (std::sqrt(vhat) + o.eps);
+    }
+  }
+};
+
+struct State {
+  std::vector<float> p, m, v, vmax;
+  float step = 0;
+  explicit State(const std::vector<float>& p0)
+      : p(p0), m(p0.size()), v(p0.size()), vmax(p0.size()) {}
+  AdamTensor tensor(const std::vector<float>& g) {
+    return {p.data(), g.data(), m.data(), v.data(), vmax.data(), &step, p.size()};
+  }
+};
+
+// Flag bits: 1 amsgrad, 2 maximize, 4 weight decay, 8 decoupled weight decay.
+// The coefficients that multiply tensors are exact in float32 (powers of two and their
+// complements), so the float64 reference sees the same coefficients the float32 kernel uses:
+// with 0.1 instead of 0.125, rounding the coefficient alone moves g + wd * p by 1e-9, which is
+// visible wherever that sum cancels to ~1e-7 (an ill-conditioned input, not a kernel error).
+AdamOptions options(int flags) {
+  AdamOptions o;
+  o.lr = 1e-2;
+  o.beta1 = 0.75;
+  o.beta2 = 0.9921875;
+  o.eps = 1e-6;
+  o.amsgrad = flags & 1;
+  o.maximize = flags & 2;
+  o.weight_decay = (flags & 4) ? 0.125 : 0.0;
+  o.decoupled_weight_decay = flags & 8;
+  return o;
+}
+
+std::string describe(int flags) {
+  return std::string("amsgrad=") + ((flags & 1) ? "1" : "0") + " maximize=" +
+         ((flags & 2) ? "1" : "0") + " weight_decay=" + ((flags & 4) ? "0.125" : "0") +
+         " decoupled=" + ((flags & 8) ? "1" : "0");
+}
+
+constexpr int kSteps = 4;
+
+void check_against_reference(std::size_t n, int flags) {
+  SCOPED_TRACE("n=" + std::to_string(n) + " " + describe(flags));
+  std::mt19937 rng(1234 + n);
+  const AdamOptions o = options(flags);
+  State s(rptest::randn(n, rng));
+  RefAdam ref(s.p);
+  for (int k = 0; k < kSteps; ++k) {
+    // Alternate the scale of the gradient so both tiny and large values are exercised.
+    const std::vector<float> g = rptest::randn(n, rng, k % 2 ? 1e-3f : 3.0f);
+    const AdamTensor t = s.tensor(g);
+    roundpipe::adam_step(o, &t, 1);
+    ref.update(o, g);
+  }
+  EXPECT_EQ(s.step, float(kSteps));
+  rptest::expect_close(s.p, ref.p, "param");
+  rptest::expect_close(s.m, ref.m, "exp_avg");
+  rptest::expect_close(s.v, ref.v, "exp_avg_sq");
+  if (o.amsgrad) rptest::expect_close(s.vmax, ref.vmax, "max_exp_avg_sq");
+}
+
+TEST(Adam, MatchesFloat64ReferenceOnEveryIsaSizeAndFlagCombination) {
+  rptest::for_each_isa([](roundpipe::Isa) {
+    for (std::size_t n : rptest::sizes())
+      for (int flags = 0; flags < 16; ++flags) {
+        if (n > 100000 && flags != 0 && flags != 15 && flags != 5) continue;
+        check_against_reference(n, flags);
+      }
+  });
+}
+
+TEST(Adam, OneCallUpdatesManyTensorsLikeSeparateCalls) {
+  rptest::for_each_isa([](roundpipe::Isa) {
+    std::mt19937 rng(7);
+    const AdamOptions o = options(1 | 4);
+    std::vector<State> together, apart;
+    std::vector<std::vector<float>> grads;
+    for (std::size_t n : {5, 0, 40000, 17, 16384, 3}) {
+      auto p = rptest::randn(n, rng);
+      together.emplace_back(p);
+      apart.emplace_back(p);
+      grads.push_back(rptest::randn(n, rng));
+    }
+    for (int k = 0; k < 3; ++k) {
+      std::vector<AdamTensor> ts;
+      for (std::size_t i = 0; i < together.size(); ++i) ts.push_back(together[i].tensor(grads[i]));
+      roundpipe::adam_step(o, ts.data(), ts.size());
+      for (std::size_t i = 0; i < apart.size(); ++i) {
+        const AdamTensor t = apart[i].tensor(grads[i]);
+        roundpipe::adam_step(o, &t, 1);
+      }
+    }
+    for (std::size_t i = 0; i < together.size(); ++i) {
+      EXPECT_EQ(together[i].p, apart[i].p) << "tensor " << i;
+      EXPECT_EQ(together[i].v, apart[i].v) << "tensor " << i;
+    }
+  });
+}
+
+TEST(Adam, ThreadCountDoesNotChangeResults) {
+  const int before = roundpipe::num_threads();
+  std::mt19937 rng(3);
+  const auto p0 = rptest::randn(200003, rng), g = rptest::randn(200003, rng);
+  std::vector<std::vector<float>> results;
+  for (int threads : {1, 2, 3}) {
+    roundpipe::set_num_threads(threads);
+    State s(p0);
+    for (int k = 0; k < 2; ++k) {
+      const AdamTensor t = s.tensor(g);
+      roundpipe::adam_step(options(15), &t, 1);
+    }
+    results.push_back(s.p);
+  }
+  roundpipe::set_num_threads(before);
+  EXPECT_EQ(results[0], results[1]);
+  EXPECT_EQ(results[0], results[2]);
+}
+
+TEST(Adam, NonFiniteValuesPropagate) {
+  rptest::for_each_isa([](roundpipe::Isa) {
+    const float inf = INFINITY, nan = NAN;
+    const std::size_t n = 19;
+    std::vector<float> g(n, 0.5f);
+    g[1] = nan;
+    g[17] = nan;
+    g[3] = inf;
+    g[18] = 1e-20f;
+    State s(std::vector<float>(n, 1.0f));
+    const AdamTensor t = s.tensor(g);
+    roundpipe::adam_step(options(1), &t, 1);
+    EXPECT_TRUE(std::isnan(s.p[1]));
+    EXPECT_TRUE(std::isnan(s.p[17]));
+    EXPECT_TRUE(std::isnan(s.vmax[1]));    // AMSGrad's max keeps the NaN, as torch.maximum
+    EXPECT_TRUE(std::isnan(s.vmax[17]));
+    EXPECT_TRUE(std::isinf(s.v[3]));
+    EXPECT_TRUE(std::isnan(s.p[3]));       // inf / inf, as in torch
+    EXPECT_GT(s.m[18], 0.0f);
+    EXPECT_GT(s.v[18], 0.0f);              // 7.8e-43: a subnormal, kept (no flush to zero)
+    EXPECT_EQ(s.p[0], s.p[16]);            // a tail element equals a vector-body element
+  });
+}
+
+TEST(Adam, BadArgumentsThrowBeforeAnythingChanges) {
+  std::vector<float> g(4, 1.0f);
+  State s(std::vector<float>(4, 1.0f));
+  AdamTensor t = s.tensor(g);
+  auto expect_error = [&](AdamOptions o, const AdamTensor* ts, std::size_t count,
+                          const std::string& needle) {
+    try {
+      roundpipe::adam_step(o, ts, count);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const roundpipe::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(s.step, 0.0f);
+    EXPECT_EQ(s.p, std::vector<float>(4, 1.0f));
+  };
+  AdamOptions o;
+  o.lr = -1;
+  expect_error(o, &t, 1, "lr");
+  o = {};
+  o.beta1 = 1.0;
+  expect_error(o, &t, 1, "beta1");
+  o = {};
+  o.beta2 = NAN;
+  expect_error(o, &t, 1, "beta2");
+  o = {};
+  o.eps = -1e-8;
+  expect_error(o, &t, 1, "eps");
+  o = {};
+  o.weight_decay = -0.1;
+  expect_error(o, &t, 1, "weight_decay");
+  o = {};
+  AdamTensor ts[2] = {t, t};
+  ts[1].grad = nullptr;
+  expect_error(o, ts, 2, "tensors[1].grad");
+  ts[1] = t;
+  ts[1].max_exp_avg_sq = nullptr;
+  o.amsgrad = true;
+  expect_error(o, ts, 2, "tensors[1].max_exp_avg_sq");
+  o = {};
+  ts[1] = t;
+  ts[1].step = nullptr;
+  expect_error(o, ts, 2, "tensors[1].step");
+  expect_error(o, nullptr, 1, "tensors");
+}
+
+}  // namespace

@@ -1,0 +1,22 @@
+"""CPU optimizers with SIMD kernels, drop-in replacements for their ``torch.optim`` namesakes.
+
+Each class takes the same arguments, keeps the same ``state`` and ``state_dict`` format and
+produces the same results as the ``torch.optim`` class of the same name, for float32, CPU,
+dense, contiguous parameters (anything else is an error raised before any tensor changes).
+
+``active_isa()``, ``supported_isas()`` and ``set_isa()`` report and choose the instruction set
+the kernels use (also settable with the environment variable ``ROUNDPIPE_ISA``);
+``num_threads()`` / ``set_num_threads()`` control the worker threads of a step.
+"""
+
+from .._C import active_isa, num_threads, set_isa, set_num_threads, supported_isas
+from .adam import Adam
+
+__all__ = [
+    "Adam",
+    "active_isa",
+    "num_threads",
+    "set_isa",
+    "set_num_threads",
+    "supported_isas",
+]

@@ -1,0 +1,145 @@
+"""``roundpipe.optim.Adam``: torch.optim.Adam's interface and results, stepped by SIMD kernels."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .. import _C
+from ._base import CpuOptimizer, scalar
+
+
+class Adam(CpuOptimizer):
+    """Adam (Kingma & Ba, 2015), with the AMSGrad variant (Reddi et al., 2018) and decoupled
+    weight decay (AdamW, Loshchilov & Hutter, 2019): a drop-in replacement for
+    ``torch.optim.Adam`` whose step runs in the RoundPipe C++ kernels.
+
+    Same signature, defaults, validation errors, ``state`` keys (``step``: 0-dim float32
+    tensor; ``exp_avg``, ``exp_avg_sq`` and, with ``amsgrad``, ``max_exp_avg_sq``: float32,
+    shaped like the parameter) and ``state_dict`` format as ``torch.optim.Adam``, so LR
+    schedulers and checkpoints work unchanged, in both directions. Results match
+    ``torch.optim.Adam(foreach=False)`` to a few float32 ulp per step.
+
+    Parameters must be float32, CPU, dense and contiguous tensors with dense gradients of the
+    same shape. ``lr`` and ``betas`` may be 1-element tensors (read at every step).
+
+    Args:
+        params: iterable of parameters, ``(name, parameter)`` pairs or param-group dicts.
+        lr: learning rate (default 1e-3).
+        betas: decay rates of the first and second moment estimates (default (0.9, 0.999)).
+        eps: added to the denominator (default 1e-8).
+        weight_decay: L2 penalty, or decoupled decay with ``decoupled_weight_decay`` (default 0).
+        amsgrad: use the running maximum of the second moment (default False).
+        foreach: ignored with a UserWarning (placeholder for torch compatibility).
+        maximize: maximize the objective instead of minimizing it (default False).
+        capturable: must be False.
+        differentiable: must be False.
+        fused: ignored with a UserWarning (placeholder for torch compatibility).
+        decoupled_weight_decay: apply weight decay as AdamW does (default False).
+
+    Raises:
+        ValueError: a hyperparameter is out of range (as torch.optim.Adam), or ``capturable`` /
+            ``differentiable`` is True.
+    """
+
+    _state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def __init__(
+        self,
+        params,
+        lr: Union[float, torch.Tensor] = 1e-3,
+        betas: Tuple[Union[float, torch.Tensor], Union[float, torch.Tensor]] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        decoupled_weight_decay: bool = False,
+    ) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not (
+            (isinstance(betas[0], float) and isinstance(betas[1], float))
+            or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))
+        ):
+            raise ValueError("betas must be either both floats or both Tensors")
+        for i, b in enumerate(betas):
+            if isinstance(b, torch.Tensor) and b.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(scalar(b) for b in betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("decoupled_weight_decay", False)
+            group.setdefault("fused", None)
+            for p in group["params"]:
+                p_state = self.state.get(p, [])
+                if len(p_state) != 0 and not torch.is_tensor(p_state["step"]):
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    def _required_keys(self, group):
+        return ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else (
+            "step", "exp_avg", "exp_avg_sq")
+
+    def _init_state(self, group, p, state):
+        zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = zeros()
+            state["exp_avg_sq"] = zeros()
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = zeros()
+
+    def _step_group(self, group):
+        params, grads, states, steps = self._gather(group)
+        beta1, beta2 = group["betas"]
+        _C.adam_step(
+            params,
+            grads,
+            states["exp_avg"],
+            states["exp_avg_sq"],
+            states["max_exp_avg_sq"] if group["amsgrad"] else [],
+            steps,
+            lr=scalar(group["lr"]),
+            beta1=scalar(beta1),
+            beta2=scalar(beta2),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            amsgrad=group["amsgrad"],
+            maximize=group["maximize"],
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
