@@ -71,13 +71,6 @@ void check_count(const char* fn, const char* arg, const Tensors& t, std::size_t 
                            " tensors, params has " + std::to_string(n)).c_str());
 }
 
-float* checked_step(const nb::ndarray<>& a, const char* fn, std::size_t i) {
-  float* p = checked(a, fn, "steps", i, nullptr);
-  if (a.size() != 1)
-    throw nb::value_error((where(fn, "steps", i) + " must hold one element").c_str());
-  return p;
-}
-
 // The tensor at i of a list whose entry must be present (params[i] is).
 const nb::ndarray<>& present(const Tensors& list, const char* fn, const char* arg, std::size_t i) {
   if (!list[i])
@@ -86,45 +79,57 @@ const nb::ndarray<>& present(const Tensors& list, const char* fn, const char* ar
   return *list[i];
 }
 
-void adam_step(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs,
-               const Tensors& exp_avg_sqs, const Tensors& max_exp_avg_sqs, const Tensors& steps,
-               double lr, double beta1, double beta2, double eps, double weight_decay,
-               bool amsgrad, bool maximize, bool decoupled_weight_decay) {
-  constexpr const char* fn = "adam_step";
-  const std::size_t n = params.size();
-  check_count(fn, "grads", grads, n);
-  check_count(fn, "exp_avgs", exp_avgs, n);
-  check_count(fn, "exp_avg_sqs", exp_avg_sqs, n);
-  check_count(fn, "steps", steps, n);
-  if (amsgrad) check_count(fn, "max_exp_avg_sqs", max_exp_avg_sqs, n);
-  std::vector<roundpipe::AdamTensor> tensors;
-  tensors.reserve(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    if (!params[i]) continue;
-    const nb::ndarray<>& p = *params[i];
-    roundpipe::AdamTensor t;
-    t.param = checked(p, fn, "params", i, nullptr);
-    t.grad = checked(present(grads, fn, "grads", i), fn, "grads", i, &p);
-    t.exp_avg = checked(present(exp_avgs, fn, "exp_avgs", i), fn, "exp_avgs", i, &p);
-    t.exp_avg_sq = checked(present(exp_avg_sqs, fn, "exp_avg_sqs", i), fn, "exp_avg_sqs", i, &p);
-    if (amsgrad)
-      t.max_exp_avg_sq = checked(present(max_exp_avg_sqs, fn, "max_exp_avg_sqs", i), fn,
-                                 "max_exp_avg_sqs", i, &p);
-    t.step = checked_step(present(steps, fn, "steps", i), fn, i);
-    t.numel = p.size();
-    tensors.push_back(t);
-  }
-  roundpipe::AdamOptions o;
-  o.lr = lr;
-  o.beta1 = beta1;
-  o.beta2 = beta2;
-  o.eps = eps;
-  o.weight_decay = weight_decay;
-  o.amsgrad = amsgrad;
-  o.maximize = maximize;
-  o.decoupled_weight_decay = decoupled_weight_decay;
-  nb::gil_scoped_release release;
-  roundpipe::adam_step(o, tensors.data(), tensors.size());
+template <class Options>
+using StepFn = void (*)(const Options&, const roundpipe::ParamBuffers*, std::size_t);
+
+// Binds `fn` as `name(options, params, grads, states, scalars)`. `states` holds one list per
+// state slot, in slot order and named by state_names (an empty list: the slot is not passed);
+// `scalars` one list per 0-dim state, named by scalar_names (scalars[0]: the steps).
+template <class Options>
+void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
+              std::vector<const char*> state_names, std::vector<const char*> scalar_names,
+              const char* doc) {
+  m.def(
+      name,
+      [fn, name, state_names, scalar_names](const Options& options, const Tensors& params,
+                                            const Tensors& grads, const std::vector<Tensors>& states,
+                                            const std::vector<Tensors>& scalars) {
+        const std::size_t n = params.size();
+        if (states.size() > state_names.size() || scalars.size() != scalar_names.size())
+          throw nb::value_error((std::string(name) + ": expected at most " +
+                                 std::to_string(state_names.size()) + " state lists and " +
+                                 std::to_string(scalar_names.size()) + " scalar lists").c_str());
+        check_count(name, "grads", grads, n);
+        for (std::size_t k = 0; k < states.size(); ++k)
+          if (!states[k].empty()) check_count(name, state_names[k], states[k], n);
+        for (std::size_t k = 0; k < scalars.size(); ++k)
+          check_count(name, scalar_names[k], scalars[k], n);
+        std::vector<roundpipe::ParamBuffers> tensors;
+        tensors.reserve(n);
+        for (std::size_t i = 0; i < n; ++i) {
+          if (!params[i]) continue;
+          const nb::ndarray<>& p = *params[i];
+          roundpipe::ParamBuffers t;
+          t.param = checked(p, name, "params", i, nullptr);
+          t.grad = checked(present(grads, name, "grads", i), name, "grads", i, &p);
+          for (std::size_t k = 0; k < states.size(); ++k)
+            if (!states[k].empty())
+              t.state[k] = checked(present(states[k], name, state_names[k], i), name,
+                                   state_names[k], i, &p);
+          for (std::size_t k = 0; k < scalars.size(); ++k) {
+            const nb::ndarray<>& s = present(scalars[k], name, scalar_names[k], i);
+            t.scalar[k] = checked(s, name, scalar_names[k], i, nullptr);
+            if (s.size() != 1)
+              throw nb::value_error((where(name, scalar_names[k], i) + " must hold one element").c_str());
+          }
+          t.numel = p.size();
+          tensors.push_back(t);
+        }
+        nb::gil_scoped_release release;
+        fn(options, tensors.data(), tensors.size());
+      },
+      nb::arg("options"), nb::arg("params").noconvert(), nb::arg("grads").noconvert(),
+      nb::arg("states").noconvert(), nb::arg("scalars").noconvert(), doc);
 }
 
 }  // namespace
@@ -132,17 +137,23 @@ void adam_step(const Tensors& params, const Tensors& grads, const Tensors& exp_a
 NB_MODULE(_C, m) {
   m.doc() = "RoundPipe CPU optimizer kernels (float32, CPU, contiguous tensors only).";
 
-  m.def("adam_step", &adam_step, nb::arg("params").noconvert(), nb::arg("grads").noconvert(),
-        nb::arg("exp_avgs").noconvert(), nb::arg("exp_avg_sqs").noconvert(),
-        nb::arg("max_exp_avg_sqs").noconvert(), nb::arg("steps").noconvert(), nb::kw_only(),
-        nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
-        nb::arg("weight_decay"), nb::arg("amsgrad"), nb::arg("maximize"),
-        nb::arg("decoupled_weight_decay"),
-        "One Adam step (torch.optim.Adam semantics) over lists of float32 CPU tensors: params,\n"
-        "grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (may be empty unless amsgrad) and the\n"
-        "0-dim float32 steps, which are incremented. A None in params skips that position.\n"
-        "Raises TypeError (dtype, device) or ValueError (shape, contiguity, counts, None where\n"
-        "a tensor is needed, hyperparameter range) before touching anything.");
+  nb::class_<roundpipe::AdamOptions>(m, "AdamOptions", "roundpipe::AdamOptions (torch.optim.Adam's hyperparameters).")
+      .def(nb::init<>())
+      .def_rw("lr", &roundpipe::AdamOptions::lr)
+      .def_rw("beta1", &roundpipe::AdamOptions::beta1)
+      .def_rw("beta2", &roundpipe::AdamOptions::beta2)
+      .def_rw("eps", &roundpipe::AdamOptions::eps)
+      .def_rw("weight_decay", &roundpipe::AdamOptions::weight_decay)
+      .def_rw("amsgrad", &roundpipe::AdamOptions::amsgrad)
+      .def_rw("maximize", &roundpipe::AdamOptions::maximize)
+      .def_rw("decoupled_weight_decay", &roundpipe::AdamOptions::decoupled_weight_decay);
+  def_step<roundpipe::AdamOptions>(
+      m, "adam_step", &roundpipe::adam_step, {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"},
+      {"steps"},
+      "adam_step(options, params, grads, [exp_avgs, exp_avg_sqs, max_exp_avg_sqs], [steps]):\n"
+      "one Adam step (torch.optim.Adam semantics) over lists of float32 CPU tensors; steps are\n"
+      "the 0-dim float32 step counts, incremented. max_exp_avg_sqs may be [] unless amsgrad.\n"
+      "A None in params skips that position (None there in every list).");
 
   m.def("supported_isas", [] {
     std::vector<std::string> out;

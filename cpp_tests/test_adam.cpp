@@ -13,7 +13,7 @@
 namespace {
 
 using roundpipe::AdamOptions;
-using roundpipe::AdamTensor;
+using roundpipe::ParamBuffers;
 
 struct RefAdam {
   std::vector<double> p, m, v, vmax;
@@ -45,8 +45,16 @@ struct State {
   float step = 0;
   explicit State(const std::vector<float>& p0)
       : p(p0), m(p0.size()), v(p0.size()), vmax(p0.size()) {}
-  AdamTensor tensor(const std::vector<float>& g) {
-    return {p.data(), g.data(), m.data(), v.data(), vmax.data(), &step, p.size()};
+  ParamBuffers tensor(const std::vector<float>& g) {
+    ParamBuffers t;
+    t.param = p.data();
+    t.grad = g.data();
+    t.state[roundpipe::AdamState::exp_avg] = m.data();
+    t.state[roundpipe::AdamState::exp_avg_sq] = v.data();
+    t.state[roundpipe::AdamState::max_exp_avg_sq] = vmax.data();
+    t.scalar[roundpipe::AdamState::step] = &step;
+    t.numel = p.size();
+    return t;
   }
 };
 
@@ -85,7 +93,7 @@ void check_against_reference(std::size_t n, int flags) {
   for (int k = 0; k < kSteps; ++k) {
     // Alternate the scale of the gradient so both tiny and large values are exercised.
     const std::vector<float> g = rptest::randn(n, rng, k % 2 ? 1e-3f : 3.0f);
-    const AdamTensor t = s.tensor(g);
+    const ParamBuffers t = s.tensor(g);
     roundpipe::adam_step(o, &t, 1);
     ref.update(o, g);
   }
@@ -119,11 +127,11 @@ TEST(Adam, OneCallUpdatesManyTensorsLikeSeparateCalls) {
       grads.push_back(rptest::randn(n, rng));
     }
     for (int k = 0; k < 3; ++k) {
-      std::vector<AdamTensor> ts;
+      std::vector<ParamBuffers> ts;
       for (std::size_t i = 0; i < together.size(); ++i) ts.push_back(together[i].tensor(grads[i]));
       roundpipe::adam_step(o, ts.data(), ts.size());
       for (std::size_t i = 0; i < apart.size(); ++i) {
-        const AdamTensor t = apart[i].tensor(grads[i]);
+        const ParamBuffers t = apart[i].tensor(grads[i]);
         roundpipe::adam_step(o, &t, 1);
       }
     }
@@ -143,7 +151,7 @@ TEST(Adam, ThreadCountDoesNotChangeResults) {
     roundpipe::set_num_threads(threads);
     State s(p0);
     for (int k = 0; k < 2; ++k) {
-      const AdamTensor t = s.tensor(g);
+      const ParamBuffers t = s.tensor(g);
       roundpipe::adam_step(options(15), &t, 1);
     }
     results.push_back(s.p);
@@ -163,7 +171,7 @@ TEST(Adam, NonFiniteValuesPropagate) {
     g[3] = inf;
     g[18] = 1e-20f;
     State s(std::vector<float>(n, 1.0f));
-    const AdamTensor t = s.tensor(g);
+    const ParamBuffers t = s.tensor(g);
     roundpipe::adam_step(options(1), &t, 1);
     EXPECT_TRUE(std::isnan(s.p[1]));
     EXPECT_TRUE(std::isnan(s.p[17]));
@@ -180,8 +188,8 @@ TEST(Adam, NonFiniteValuesPropagate) {
 TEST(Adam, BadArgumentsThrowBeforeAnythingChanges) {
   std::vector<float> g(4, 1.0f);
   State s(std::vector<float>(4, 1.0f));
-  AdamTensor t = s.tensor(g);
-  auto expect_error = [&](AdamOptions o, const AdamTensor* ts, std::size_t count,
+  ParamBuffers t = s.tensor(g);
+  auto expect_error = [&](AdamOptions o, const ParamBuffers* ts, std::size_t count,
                           const std::string& needle) {
     try {
       roundpipe::adam_step(o, ts, count);
@@ -208,16 +216,16 @@ TEST(Adam, BadArgumentsThrowBeforeAnythingChanges) {
   o.weight_decay = -0.1;
   expect_error(o, &t, 1, "weight_decay");
   o = {};
-  AdamTensor ts[2] = {t, t};
+  ParamBuffers ts[2] = {t, t};
   ts[1].grad = nullptr;
   expect_error(o, ts, 2, "tensors[1].grad");
   ts[1] = t;
-  ts[1].max_exp_avg_sq = nullptr;
+  ts[1].state[2] = nullptr;
   o.amsgrad = true;
   expect_error(o, ts, 2, "tensors[1].max_exp_avg_sq");
   o = {};
   ts[1] = t;
-  ts[1].step = nullptr;
+  ts[1].scalar[0] = nullptr;
   expect_error(o, ts, 2, "tensors[1].step");
   expect_error(o, nullptr, 1, "tensors");
 }

@@ -11,31 +11,26 @@
 
 namespace roundpipe {
 
-void adam_step(const AdamOptions& o, const AdamTensor* tensors, std::size_t count) {
+void adam_step(const AdamOptions& o, const ParamBuffers* tensors, std::size_t count) {
   constexpr const char* fn = "adam_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "beta1", o.beta1, 0.0, 1.0, true);
   detail::check_range(fn, "beta2", o.beta2, 0.0, 1.0, true);
   detail::check_range(fn, "eps", o.eps, 0.0);
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
-  if (count != 0 && tensors == nullptr) throw Error("adam_step: tensors is null");
-  for (std::size_t i = 0; i < count; ++i) {
-    const AdamTensor& t = tensors[i];
-    detail::check_buffer(fn, i, "param", t.param, t.numel);
-    detail::check_buffer(fn, i, "grad", t.grad, t.numel);
-    detail::check_buffer(fn, i, "exp_avg", t.exp_avg, t.numel);
-    detail::check_buffer(fn, i, "exp_avg_sq", t.exp_avg_sq, t.numel);
-    if (o.amsgrad) detail::check_buffer(fn, i, "max_exp_avg_sq", t.max_exp_avg_sq, t.numel);
-    detail::check_step(fn, i, t.step);
-  }
+  static const char* const state_names[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  static const char* const scalar_names[] = {"step"};
+  detail::check_buffers(fn, tensors, count, state_names, o.amsgrad ? 0b111u : 0b011u,
+                        scalar_names, 1);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   const bool decoupled = o.decoupled_weight_decay && o.weight_decay != 0.0;
   const detail::Lerp lerp = detail::lerp_coeff(1.0 - o.beta1);
   std::vector<detail::AdamCoeffs> coeffs(count);
   for (std::size_t i = 0; i < count; ++i) {
-    *tensors[i].step += 1.0f;
-    const double step = *tensors[i].step;
+    float& step_t = *tensors[i].scalar[AdamState::step];
+    step_t += 1.0f;
+    const double step = step_t;
     const double bias_correction1 = 1.0 - std::pow(o.beta1, step);
     const double bias_correction2 = 1.0 - std::pow(o.beta2, step);
     coeffs[i] = detail::AdamCoeffs{
@@ -52,13 +47,7 @@ void adam_step(const AdamOptions& o, const AdamTensor* tensors, std::size_t coun
         o.maximize,
     };
   }
-  detail::for_each_chunk(
-      count, [&](std::size_t i) { return tensors[i].numel; },
-      [&](std::size_t i, std::size_t begin, std::size_t end) {
-        const AdamTensor& t = tensors[i];
-        kernels.adam(coeffs[i], {t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq},
-                     begin, end);
-      });
+  detail::run_kernel(kernels.adam, coeffs.data(), tensors, count);
 }
 
 }  // namespace roundpipe

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <string>
 
+#include "roundpipe/buffers.hpp"
 #include "roundpipe/error.hpp"
 
 namespace roundpipe {
@@ -26,17 +27,26 @@ inline void check_range(const char* fn, const char* name, double x, double lo,
                 (hi_open ? ")" : "]") + ", got " + fmt(x));
 }
 
-// A buffer of tensors[i] must be non-null unless the tensor is empty.
-inline void check_buffer(const char* fn, std::size_t i, const char* field, const void* p,
-                         std::size_t numel) {
-  if (numel != 0 && p == nullptr)
-    throw Error(std::string(fn) + ": tensors[" + std::to_string(i) + "]." + field +
-                " is null (numel " + std::to_string(numel) + ")");
-}
-
-inline void check_step(const char* fn, std::size_t i, const float* step) {
-  if (step == nullptr)
-    throw Error(std::string(fn) + ": tensors[" + std::to_string(i) + "].step is null");
+// Checks that every tensor has what the algorithm needs: param, grad, the state arrays
+// state_names[k] for each k set in `state_mask` (unless numel == 0), and the scalars
+// scalar_names[0..num_scalars). Messages name `tensors[i].<slot name>`.
+inline void check_buffers(const char* fn, const ParamBuffers* tensors, std::size_t count,
+                          const char* const* state_names, unsigned state_mask,
+                          const char* const* scalar_names, int num_scalars) {
+  if (count != 0 && tensors == nullptr) throw Error(std::string(fn) + ": tensors is null");
+  auto fail = [&](std::size_t i, const char* name) {
+    throw Error(std::string(fn) + ": tensors[" + std::to_string(i) + "]." + name + " is null" +
+                " (numel " + std::to_string(tensors[i].numel) + ")");
+  };
+  for (std::size_t i = 0; i < count; ++i) {
+    const ParamBuffers& t = tensors[i];
+    if (t.numel != 0 && !t.param) fail(i, "param");
+    if (t.numel != 0 && !t.grad) fail(i, "grad");
+    for (int k = 0; k < ParamBuffers::kMaxState; ++k)
+      if ((state_mask >> k & 1u) && t.numel != 0 && !t.state[k]) fail(i, state_names[k]);
+    for (int k = 0; k < num_scalars; ++k)
+      if (!t.scalar[k]) fail(i, scalar_names[k]);
+  }
 }
 
 // torch's lerp_(end, weight) in float32: coefficient and which end it starts from.

@@ -9,7 +9,7 @@ namespace roundpipe {
 namespace detail {
 
 struct KernelTable {
-  void (*adam)(const AdamCoeffs&, const AdamPtrs&, std::size_t begin, std::size_t end);
+  void (*adam)(const AdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
 };
 
 // The table of the active ISA (roundpipe::active_isa()); throws roundpipe::Error as that does.

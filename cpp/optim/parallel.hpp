@@ -4,6 +4,8 @@
 #include <cstddef>
 #include <vector>
 
+#include "roundpipe/buffers.hpp"
+
 namespace roundpipe {
 namespace detail {
 
@@ -35,6 +37,17 @@ void for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn) {
     const std::size_t end = std::min(begin + kChunkElements, (*c.numel)(t));
     (*c.fn)(t, begin, end);
   }, &ctx);
+}
+
+// Runs kernel(coeffs[i], tensors[i], begin, end) over every chunk of every tensor, in parallel.
+template <class Coeffs>
+void run_kernel(void (*kernel)(const Coeffs&, const ParamBuffers&, std::size_t, std::size_t),
+                const Coeffs* coeffs, const ParamBuffers* tensors, std::size_t count) {
+  for_each_chunk(
+      count, [&](std::size_t i) { return tensors[i].numel; },
+      [&](std::size_t i, std::size_t begin, std::size_t end) {
+        kernel(coeffs[i], tensors[i], begin, end);
+      });
 }
 
 }  // namespace detail

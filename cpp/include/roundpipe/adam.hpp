@@ -9,6 +9,8 @@
 #pragma once
 #include <cstddef>
 
+#include "roundpipe/buffers.hpp"
+
 namespace roundpipe {
 
 /// Hyperparameters, named and defaulted as in torch.optim.Adam.
@@ -23,22 +25,16 @@ struct AdamOptions {
   bool decoupled_weight_decay = false;  ///< AdamW: p *= 1 - lr * weight_decay
 };
 
-/// One parameter tensor's buffers: contiguous float32 arrays of `numel` elements each (any may
-/// be null when numel == 0), all distinct except that grad is only read.
-struct AdamTensor {
-  float* param = nullptr;           ///< updated in place
-  const float* grad = nullptr;      ///< read only
-  float* exp_avg = nullptr;         ///< first moment, updated in place (start: zeros)
-  float* exp_avg_sq = nullptr;      ///< second moment, updated in place (start: zeros)
-  float* max_exp_avg_sq = nullptr;  ///< required iff amsgrad (start: zeros), else ignored
-  float* step = nullptr;            ///< this tensor's step count (torch's float32 `step`); += 1
-  std::size_t numel = 0;
+/// ParamBuffers slots for Adam (torch.optim.Adam's state keys; all start as zeros).
+struct AdamState {
+  enum : int { exp_avg = 0, exp_avg_sq = 1, max_exp_avg_sq = 2 /* iff amsgrad */ };
+  enum : int { step = 0 };  // scalar slot
 };
 
 /// Runs one Adam step on `count` tensors, spread over the worker pool, with the active ISA.
-/// Each tensor's `*step` is incremented first and its new value drives the bias corrections.
-/// Throws roundpipe::Error naming the option or `tensors[i].<field>` when an option is out of
-/// range or a required pointer is null; nothing is modified then.
-void adam_step(const AdamOptions& options, const AdamTensor* tensors, std::size_t count);
+/// Each tensor's step (scalar[AdamState::step]) is incremented first and its new value drives
+/// the bias corrections. Throws roundpipe::Error naming the option or `tensors[i].<slot>` when
+/// an option is out of range or a required pointer is null; nothing is modified then.
+void adam_step(const AdamOptions& options, const ParamBuffers* tensors, std::size_t count);
 
 }  // namespace roundpipe

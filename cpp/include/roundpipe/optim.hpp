@@ -1,6 +1,7 @@
 // Umbrella header of the RoundPipe CPU optimizer library (target RoundPipe::optim).
 #pragma once
 #include "roundpipe/adam.hpp"
+#include "roundpipe/buffers.hpp"
 #include "roundpipe/error.hpp"
 #include "roundpipe/isa.hpp"
 #include "roundpipe/threads.hpp"

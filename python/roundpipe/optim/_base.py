@@ -53,7 +53,7 @@ class CpuOptimizer(Optimizer):
                 )
 
     def _gather(self, group: dict[str, Any]) -> tuple[list, list, dict[str, list], list]:
-        """Lists over the group's parameters, in order: params (detached), grads, one list per
+        """Lists over the group's parameters, in order: params, grads, one list per
         state key, and the ``step`` tensors; ``None`` everywhere for a parameter without a
         gradient (the kernel skips it). Initialises missing state as torch does."""
         name = type(self).__name__
@@ -75,7 +75,7 @@ class CpuOptimizer(Optimizer):
             state = self.state[p]
             if len(state) == 0 or any(k not in state for k in self._required_keys(group)):
                 self._init_state(group, p, state)
-            params.append(p.detach())
+            params.append(p)
             grads.append(g)
             for k, lst in states.items():
                 lst.append(state.get(k))

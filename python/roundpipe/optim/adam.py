@@ -126,20 +126,13 @@ class Adam(CpuOptimizer):
 
     def _step_group(self, group):
         params, grads, states, steps = self._gather(group)
-        beta1, beta2 = group["betas"]
-        _C.adam_step(
-            params,
-            grads,
-            states["exp_avg"],
-            states["exp_avg_sq"],
-            states["max_exp_avg_sq"] if group["amsgrad"] else [],
-            steps,
-            lr=scalar(group["lr"]),
-            beta1=scalar(beta1),
-            beta2=scalar(beta2),
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            amsgrad=group["amsgrad"],
-            maximize=group["maximize"],
-            decoupled_weight_decay=group["decoupled_weight_decay"],
-        )
+        o = _C.AdamOptions()
+        o.lr = scalar(group["lr"])
+        o.beta1, o.beta2 = (scalar(b) for b in group["betas"])
+        o.eps = group["eps"]
+        o.weight_decay = group["weight_decay"]
+        o.amsgrad = group["amsgrad"]
+        o.maximize = group["maximize"]
+        o.decoupled_weight_decay = group["decoupled_weight_decay"]
+        max_exp_avg_sqs = states["max_exp_avg_sq"] if o.amsgrad else []
+        _C.adam_step(o, params, grads, [states["exp_avg"], states["exp_avg_sq"], max_exp_avg_sqs], [steps])

@@ -9,6 +9,8 @@
 #pragma once
 #include <cstddef>
 
+#include "roundpipe/adam.hpp"
+
 namespace roundpipe {
 namespace detail {
 
@@ -26,14 +28,6 @@ struct AdamCoeffs {
   bool maximize;
 };
 
-struct AdamPtrs {
-  float* param;
-  const float* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* max_exp_avg_sq;
-};
-
 }  // namespace detail
 }  // namespace roundpipe
 
@@ -43,8 +37,11 @@ struct AdamPtrs {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-inline void adam_kernel(const detail::AdamCoeffs& c, const detail::AdamPtrs& t, std::size_t begin,
+inline void adam_kernel(const detail::AdamCoeffs& c, const ParamBuffers& t, std::size_t begin,
                         std::size_t end) {
+  float* const exp_avg = t.state[AdamState::exp_avg];
+  float* const exp_avg_sq = t.state[AdamState::exp_avg_sq];
+  float* const max_exp_avg_sq = t.state[AdamState::max_exp_avg_sq];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
     V g = V::load(t.grad + i);
@@ -52,16 +49,16 @@ inline void adam_kernel(const detail::AdamCoeffs& c, const detail::AdamPtrs& t, 
     if (c.maximize) g = -g;
     if (c.weight_decay != 0.0f) g = fmadd(p, V::set1(c.weight_decay), g);
     if (c.decay != 1.0f) p = p * V::set1(c.decay);
-    V m = V::load(t.exp_avg + i);
+    V m = V::load(exp_avg + i);
     m = c.lerp_from_end ? fmadd(V::set1(c.lerp_weight), g - m, g)
                         : fmadd(V::set1(c.lerp_weight), g - m, m);
-    V v = V::load(t.exp_avg_sq + i) * V::set1(c.beta2);
+    V v = V::load(exp_avg_sq + i) * V::set1(c.beta2);
     v = v + V::set1(c.one_minus_beta2) * g * g;
-    m.store(t.exp_avg + i);
-    v.store(t.exp_avg_sq + i);
+    m.store(exp_avg + i);
+    v.store(exp_avg_sq + i);
     if (c.amsgrad) {
-      v = maximum(V::load(t.max_exp_avg_sq + i), v);
-      v.store(t.max_exp_avg_sq + i);
+      v = maximum(V::load(max_exp_avg_sq + i), v);
+      v.store(max_exp_avg_sq + i);
     }
     V denom = sqrt(v) / V::set1(c.bias_correction2_sqrt) + V::set1(c.eps);
     p = p + V::set1(c.neg_step_size) * m / denom;

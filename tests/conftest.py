@@ -1,0 +1,76 @@
+"""Shared fixtures and the comparison harness against torch.optim."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import roundpipe.optim as rpo
+
+SHAPES = [(), (0,), (1,), (17,), (4097,), (33, 65)]
+
+
+@pytest.fixture(params=rpo.supported_isas())
+def isa(request):
+    """Runs the test once per ISA this machine supports, with that ISA forced."""
+    before = rpo.active_isa()
+    rpo.set_isa(request.param)
+    yield request.param
+    rpo.set_isa(before)
+
+
+def make_params(shapes=SHAPES, seed=0, as_views=False):
+    """Float32 leaf parameters of the given shapes; with as_views, views into one flat buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    if not as_views:
+        return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    sizes = [torch.Size(s).numel() for s in shapes]
+    flat = torch.randn(sum(sizes), generator=gen)
+    out, offset = [], 0
+    for s, n in zip(shapes, sizes):
+        out.append(torch.nn.Parameter(flat[offset : offset + n].view(s)))
+        offset += n
+    return out
+
+
+def assert_same_training(ours_cls, torch_cls, kwargs, *, steps=20, grad_scale=1.0, seed=0,
+                         shapes=SHAPES, as_views=False, scheduler=None, rtol=1e-5, atol=1e-6):
+    """Trains identical parameters with both optimizers on identical gradients and checks that
+    parameters and every state tensor agree after each step (rtol 1e-5; atol 1e-6 for
+    parameters, 1e-6 times the tensor's magnitude for state). Returns both optimizers."""
+    ours_params = make_params(shapes, seed, as_views)
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in ours_params]
+    ours = ours_cls(ours_params, **copy.deepcopy(kwargs))
+    ref = torch_cls(ref_params, foreach=False, **copy.deepcopy(kwargs))
+    scheds = [scheduler(o) for o in (ours, ref)] if scheduler else []
+    gen = torch.Generator().manual_seed(seed + 1)
+    for step in range(steps):
+        for a, b in zip(ours_params, ref_params):
+            g = torch.randn(a.shape, generator=gen) * grad_scale
+            a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+        for s in scheds:
+            s.step()
+        for i, (a, b) in enumerate(zip(ours_params, ref_params)):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"param {i} after step {step + 1}: {m}")
+            sa, sb = ours.state[a], ref.state[b]
+            assert sa.keys() == sb.keys(), f"state keys {sorted(sa)} vs {sorted(sb)}"
+            for k in sb:
+                va, vb = sa[k], sb[k]
+                if torch.is_tensor(vb):
+                    assert va.dtype == vb.dtype and va.shape == vb.shape, f"state {k!r}"
+                    # State tensors live at the gradient's scale (1e-20 gradients give 1e-40
+                    # second moments), so their absolute tolerance is atol times the tensor's
+                    # own magnitude: as strict at 1e-20 as at 1, where a fixed 1e-6 could not
+                    # fail. Elements that cancel to ~0 (exp_avg crossing zero) differ by a
+                    # rounding of the operands, not of the result, hence the atol term.
+                    scale = vb.abs().max().item() if vb.numel() else 0.0
+                    torch.testing.assert_close(va, vb, rtol=rtol, atol=atol * max(scale, 1e-38),
+                                               msg=lambda m: f"state {k!r} of param {i}: {m}")
+                else:
+                    assert va == vb, f"state {k!r} of param {i}"
+    return ours, ref
