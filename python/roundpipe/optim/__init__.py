@@ -11,9 +11,11 @@ the kernels use (also settable with the environment variable ``ROUNDPIPE_ISA``);
 
 from .._C import active_isa, num_threads, set_isa, set_num_threads, supported_isas
 from .adam import Adam
+from .adamw import AdamW
 
 __all__ = [
     "Adam",
+    "AdamW",
     "active_isa",
     "num_threads",
     "set_isa",

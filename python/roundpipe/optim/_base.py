@@ -20,16 +20,24 @@ class CpuOptimizer(Optimizer):
     """Base of the ``roundpipe.optim`` classes: a ``torch.optim.Optimizer`` whose ``step`` hands
     each parameter group to one C++ kernel call.
 
-    Subclasses validate their hyperparameters as torch does, call ``__init__`` with their
-    defaults, and implement ``_init_state(group, p, state)`` and ``_step_group(group, lists)``.
+    A subclass validates its hyperparameters as torch does, calls ``__init__`` with its
+    defaults, and declares:
+
+    - ``_kernel``: the ``roundpipe._C.<name>_step`` function;
+    - ``_state_keys``: its per-element state tensors, in the kernel's slot order;
+    - ``_scalar_keys``: its 0-dim float32 state tensors, ``"step"`` first;
+    - ``_active_state_keys(group)``: the state keys a group uses (default: all);
+    - ``_init_state(group, p, state)``: fills the missing keys as torch initialises them;
+    - ``_options(group)``: the ``roundpipe._C.<Name>Options`` for a group.
 
     ``foreach`` and ``fused`` are accepted and ignored with a ``UserWarning`` (the group keeps
     ``None``); ``capturable=True`` or ``differentiable=True`` is a ``ValueError``, also when it
     comes from a loaded state dict.
     """
 
-    # State keys holding one tensor shaped like the parameter, in the order the kernel takes them.
+    _kernel: Callable[..., None]
     _state_keys: tuple[str, ...] = ()
+    _scalar_keys: tuple[str, ...] = ("step",)
 
     def __init__(self, params, defaults: dict[str, Any]) -> None:
         name = type(self).__name__
@@ -52,44 +60,45 @@ class CpuOptimizer(Optimizer):
                     f"roundpipe.optim.{type(self).__name__} does not support {flag}=True"
                 )
 
-    def _gather(self, group: dict[str, Any]) -> tuple[list, list, dict[str, list], list]:
-        """Lists over the group's parameters, in order: params, grads, one list per
-        state key, and the ``step`` tensors; ``None`` everywhere for a parameter without a
-        gradient (the kernel skips it). Initialises missing state as torch does."""
-        name = type(self).__name__
-        params: list = []
-        grads: list = []
-        states: dict[str, list] = {k: [] for k in self._state_keys}
-        steps: list = []
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                params.append(None)
-                grads.append(None)
-                for lst in states.values():
-                    lst.append(None)
-                steps.append(None)
-                continue
-            if g.is_sparse:
-                raise RuntimeError(f"{name} does not support sparse gradients")
-            state = self.state[p]
-            if len(state) == 0 or any(k not in state for k in self._required_keys(group)):
-                self._init_state(group, p, state)
-            params.append(p)
-            grads.append(g)
-            for k, lst in states.items():
-                lst.append(state.get(k))
-            steps.append(state.get("step"))
-        return params, grads, states, steps
-
-    def _required_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+    def _active_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._state_keys
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict) -> None:
         raise NotImplementedError
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    def _options(self, group: dict[str, Any]) -> Any:
         raise NotImplementedError
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        """One kernel call over the group: lists in parameter order, ``None`` at every position
+        whose parameter has no gradient (the kernel skips it), an empty list for a state slot
+        the group does not use. Missing state is initialised first, as torch does."""
+        name = type(self).__name__
+        active = self._active_state_keys(group)
+        needed = self._scalar_keys + active
+        params: list = []
+        grads: list = []
+        states: list[list] = [[] for _ in self._state_keys]
+        in_use = [k in active for k in self._state_keys]
+        scalars: list[list] = [[] for _ in self._scalar_keys]
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                state = None
+            else:
+                if g.is_sparse:
+                    raise RuntimeError(f"{name} does not support sparse gradients")
+                state = self.state[p]
+                if any(k not in state for k in needed):
+                    self._init_state(group, p, state)
+            params.append(None if state is None else p)
+            grads.append(g)
+            for k, lst, use in zip(self._state_keys, states, in_use):
+                if use:
+                    lst.append(None if state is None else state[k])
+            for k, lst in zip(self._scalar_keys, scalars):
+                lst.append(None if state is None else state[k])
+        type(self)._kernel(self._options(group), params, grads, states, scalars)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):

@@ -43,6 +43,7 @@ class Adam(CpuOptimizer):
             ``differentiable`` is True.
     """
 
+    _kernel = _C.adam_step
     _state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def __init__(
@@ -111,9 +112,8 @@ class Adam(CpuOptimizer):
                 if len(p_state) != 0 and not torch.is_tensor(p_state["step"]):
                     p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
 
-    def _required_keys(self, group):
-        return ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else (
-            "step", "exp_avg", "exp_avg_sq")
+    def _active_state_keys(self, group):
+        return self._state_keys if group["amsgrad"] else self._state_keys[:2]
 
     def _init_state(self, group, p, state):
         zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
@@ -124,8 +124,7 @@ class Adam(CpuOptimizer):
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = zeros()
 
-    def _step_group(self, group):
-        params, grads, states, steps = self._gather(group)
+    def _options(self, group):
         o = _C.AdamOptions()
         o.lr = scalar(group["lr"])
         o.beta1, o.beta2 = (scalar(b) for b in group["betas"])
@@ -134,5 +133,4 @@ class Adam(CpuOptimizer):
         o.amsgrad = group["amsgrad"]
         o.maximize = group["maximize"]
         o.decoupled_weight_decay = group["decoupled_weight_decay"]
-        max_exp_avg_sqs = states["max_exp_avg_sq"] if o.amsgrad else []
-        _C.adam_step(o, params, grads, [states["exp_avg"], states["exp_avg_sq"], max_exp_avg_sqs], [steps])
+        return o

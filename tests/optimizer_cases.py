@@ -1,0 +1,53 @@
+"""The registry the generic optimizer tests (test_optimizers.py) run over: one Case per
+roundpipe.optim class, with the hyperparameter sweep that covers every option of its torch
+counterpart and their interactions, and the bad values torch rejects."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+import roundpipe.optim as rpo
+
+
+def grid(**axes) -> list[dict]:
+    """Every combination of the given values: grid(a=[1, 2], b=[3]) -> [{a: 1, b: 3}, {a: 2, b: 3}]."""
+    keys = list(axes)
+    return [dict(zip(keys, values)) for values in itertools.product(*axes.values())]
+
+
+@dataclass
+class Case:
+    name: str
+    ours: type
+    ref: type
+    sweep: list[dict]            # kwargs combinations compared against torch, on every ISA
+    invalid: list[dict]          # kwargs torch rejects: ours must raise the same type and text
+    base: dict = field(default_factory=dict)  # kwargs for the generic behaviour tests
+    lr: float = 1e-2             # a learning rate that suits a 20-step comparison
+
+    def __str__(self) -> str:
+        return self.name
+
+
+CASES = [
+    Case(
+        "Adam", rpo.Adam, torch.optim.Adam,
+        sweep=grid(lr=[1e-2], betas=[(0.8, 0.99)], eps=[1e-6], amsgrad=[False, True],
+                   maximize=[False, True], weight_decay=[0.0, 0.1],
+                   decoupled_weight_decay=[False, True]),
+        invalid=[dict(lr=-1.0), dict(eps=-1.0), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1)),
+                 dict(weight_decay=-1.0), dict(betas=(0.9, torch.tensor(0.9))),
+                 dict(lr=torch.tensor([0.1, 0.2]))],
+        base=dict(lr=1e-2, amsgrad=True, weight_decay=0.1),
+    ),
+    Case(
+        "AdamW", rpo.AdamW, torch.optim.AdamW,
+        sweep=grid(lr=[1e-2], amsgrad=[False, True], maximize=[False, True],
+                   weight_decay=[0.0, 0.1]),
+        invalid=[dict(lr=-1.0), dict(betas=(0.9, 1.0)), dict(weight_decay=-1e-3)],
+        base=dict(lr=1e-2, amsgrad=True),
+    ),
+]

@@ -1,0 +1,235 @@
+"""Every roundpipe.optim class against its torch.optim namesake (foreach=False): results and
+state over a hyperparameter sweep on every ISA, extreme gradients, views, tensor lr, LR
+schedulers, state-dict round trips, old checkpoints, hooks, placeholders and errors.
+The classes and sweeps come from optimizer_cases.CASES."""
+
+from __future__ import annotations
+
+import inspect
+import io
+
+import pytest
+import torch
+
+from conftest import assert_same_training, make_params
+from optimizer_cases import CASES
+
+SWEEP = [pytest.param(case, kw, id=f"{case}-{i}") for case in CASES for i, kw in enumerate(case.sweep)]
+
+
+@pytest.mark.parametrize("case,kwargs", SWEEP)
+def test_matches_torch(isa, case, kwargs):
+    assert_same_training(case.ours, case.ref, kwargs)
+
+
+@pytest.mark.parametrize("grad_scale", [1e-20, 1e3])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_extreme_gradient_scales(case, grad_scale):
+    # 1e-20 gradients make squared-gradient state subnormal (1e-40): kept, as torch keeps it.
+    assert_same_training(case.ours, case.ref, case.base, grad_scale=grad_scale)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_views_into_one_buffer_and_tensor_lr(case):
+    assert_same_training(case.ours, case.ref, case.base, as_views=True)
+    assert_same_training(case.ours, case.ref, dict(case.base, lr=torch.tensor(case.lr)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_lr_scheduler_drives_both_alike(case):
+    assert_same_training(case.ours, case.ref, case.base,
+                         scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 3, gamma=0.5))
+
+
+def _train(opt, params, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+@pytest.mark.parametrize("direction", ["ours_to_torch", "torch_to_ours"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_state_dict_round_trip(case, direction):
+    first, second = (case.ours, case.ref) if direction == "ours_to_torch" else (case.ref, case.ours)
+    params = make_params()
+    opt = first(params, **case.base)
+    _train(opt, params, 5, seed=1)
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
+    # Both classes continue from the checkpoint and must agree step for step. Each loads its
+    # own copy: load_state_dict keeps the CPU `step` tensors it is given (torch does too), and
+    # a step increments them in place.
+    resumed = []
+    for cls in (first, second):
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        ps = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
+        o = cls(ps, **case.base)
+        o.load_state_dict(saved["opt"])
+        _train(o, ps, 5, seed=2)
+        resumed.append((ps, o))
+    (pa, oa), (pb, ob) = resumed
+    for a, b in zip(pa, pb):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert oa.state[a].keys() == ob.state[b].keys()
+        for k, v in ob.state[b].items():
+            torch.testing.assert_close(oa.state[a][k], v, rtol=1e-5, atol=1e-6)
+    assert oa.state_dict()["param_groups"] == ob.state_dict()["param_groups"] or \
+        direction == "torch_to_ours"
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_state_and_groups_have_torch_layout(case):
+    ours, ref = assert_same_training(case.ours, case.ref, case.base, steps=2, shapes=[(3, 4)])
+    so, sr = ours.state_dict(), ref.state_dict()
+    assert so["param_groups"][0].keys() == sr["param_groups"][0].keys()
+    assert so["state"][0].keys() == sr["state"][0].keys()
+    for k, v in sr["state"][0].items():
+        assert so["state"][0][k].dtype == v.dtype and so["state"][0][k].shape == v.shape, k
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_old_checkpoint_defaults_match_torch(case):
+    # __setstate__ fills the group keys an older checkpoint lacks, and turns a Python-number
+    # step into a tensor, exactly as torch does.
+    results = []
+    for cls in (case.ours, case.ref):
+        (p,) = make_params([(4,)])
+        opt = cls([p], **case.base)
+        p.grad = torch.ones(4)
+        opt.step()
+        state = opt.__getstate__()
+        group = state["param_groups"][0]
+        for key in ("maximize", "foreach", "capturable", "differentiable", "fused",
+                    "amsgrad", "decoupled_weight_decay", "nesterov", "centered"):
+            group.pop(key, None)
+        state["state"][p]["step"] = float(state["state"][p]["step"])
+        opt.__setstate__(state)
+        results.append((opt.param_groups[0], opt.state[p]["step"]))
+    (go, so), (gr, sr) = results
+    assert {k: v for k, v in go.items() if k != "params"} == \
+        {k: v for k, v in gr.items() if k != "params"}
+    assert so.dtype == sr.dtype and so.item() == sr.item()
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_named_parameters_add_param_group_hooks_and_skipped_params(case):
+    model = torch.nn.Linear(3, 2)
+    extra = torch.nn.Parameter(torch.randn(5))
+    opt = case.ours(model.named_parameters(), **case.base)
+    opt.add_param_group({"params": [("extra", extra)], "lr": case.lr / 2})
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    bias = model.bias.detach().clone()
+    model.weight.grad = torch.ones_like(model.weight)
+    extra.grad = torch.ones(5)
+    opt.step()
+    assert calls == ["pre", "post"]
+    assert torch.equal(model.bias, bias) and model.bias not in opt.state
+    assert opt.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_closure_runs_with_grad_enabled(case):
+    (p,) = make_params([(4,)])
+    opt = case.ours([p], **case.base)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p * p).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure) is not None
+
+
+def _signature_flags(case, names):
+    params = inspect.signature(case.ref.__init__).parameters
+    return [n for n in names if n in params]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_signature_matches_torch(case):
+    ours = inspect.signature(case.ours.__init__).parameters
+    ref = inspect.signature(case.ref.__init__).parameters
+    assert list(ours) == list(ref)
+    for name, p in ref.items():
+        assert ours[name].kind == p.kind, name
+        if p.default is not inspect.Parameter.empty:
+            assert ours[name].default == p.default, name
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_foreach_and_fused_warn_and_are_ignored(case):
+    for flag in _signature_flags(case, ["foreach", "fused"]):
+        (p,) = make_params([(4,)])
+        with pytest.warns(UserWarning, match=flag):
+            opt = case.ours([p], **case.base, **{flag: True})
+        assert opt.param_groups[0][flag] is None
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_capturable_and_differentiable_are_errors(case):
+    for flag in _signature_flags(case, ["capturable", "differentiable"]):
+        (p,) = make_params([(4,)])
+        with pytest.raises(ValueError, match=flag):
+            case.ours([p], **case.base, **{flag: True})
+        opt = case.ours([p], **case.base)
+        opt.param_groups[0][flag] = True  # as from a loaded state dict
+        p.grad = torch.ones(4)
+        before = p.detach().clone()
+        with pytest.raises(ValueError, match=flag):
+            opt.step()
+        assert torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("case,kwargs", [
+    pytest.param(c, kw, id=f"{c}-{i}") for c in CASES for i, kw in enumerate(c.invalid)])
+def test_hyperparameter_validation_matches_torch(case, kwargs):
+    (p,) = make_params([(4,)])
+    with pytest.raises(Exception) as ref:
+        case.ref([p], **kwargs)
+    with pytest.raises(type(ref.value)) as ours:
+        case.ours([p], **kwargs)
+    assert str(ours.value) == str(ref.value)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_sparse_gradient_is_a_runtime_error(case):
+    (p,) = make_params([(4,)])
+    p.grad = torch.ones(4).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        case.ours([p], **case.base).step()
+
+
+@pytest.mark.parametrize("bad", ["float64", "noncontiguous", "grad_shape", "state_dtype",
+                                 "state_shape"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_bad_tensors_raise_before_any_change(case, bad):
+    good, other = make_params([(4, 4), (4, 4)])
+    for p in (good, other):
+        p.grad = torch.ones(4, 4)
+    opt = case.ours([good, other], **case.base)
+    if bad == "float64":
+        other.data = other.data.double()
+        other.grad = torch.ones(4, 4, dtype=torch.float64)
+    elif bad == "noncontiguous":
+        other.data = other.data.t()
+    elif bad == "grad_shape":
+        other.data = other.data.reshape(16)  # the grad stays (4, 4)
+    else:
+        opt.step()  # creates the state; then corrupt it as a bad checkpoint would
+        key = next(k for k, v in opt.state[other].items() if torch.is_tensor(v) and v.dim() > 0)
+        opt.state[other][key] = (torch.zeros(4, 4, dtype=torch.float64) if bad == "state_dtype"
+                                 else torch.zeros(5))
+    snapshot = [good.detach().clone(), other.detach().clone()]
+    state_before = {k: v.clone() for k, v in opt.state[good].items() if torch.is_tensor(v)}
+    with pytest.raises((TypeError, ValueError)) as err:
+        opt.step()
+    assert "param group 0" in str(err.value) and "[1]" in str(err.value), str(err.value)
+    assert torch.equal(good.detach(), snapshot[0]) and torch.equal(other.detach(), snapshot[1])
+    for k, v in state_before.items():
+        assert torch.equal(opt.state[good][k], v), k
