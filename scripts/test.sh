@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Sets everything up and runs every test: the GoogleTest suite (ctest) and pytest.
-# Exits non-zero if any test fails or if either runner ran no test.
+# Sets everything up and runs every test: the GoogleTest suite natively (ctest) and under
+# emulated CPUs (scripts/test_emulated.sh: AVX2-only, no-AVX and AArch64), then pytest.
+# Exits non-zero if any test fails or if a runner ran no test.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh qemu-user g++-aarch64-linux-gnu
 
 echo "== ctest (native)"
 .venv/bin/ctest --test-dir build/py --output-on-failure --no-tests=error
+
+bash scripts/test_emulated.sh
 
 echo "== pytest"
 .venv/bin/python -m pytest tests
