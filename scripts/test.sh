@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets everything up and runs every test: the GoogleTest suite natively (ctest) and under
-# emulated CPUs (scripts/test_emulated.sh: AVX2-only, no-AVX and AArch64), then pytest.
+# emulated CPUs (scripts/test_emulated.sh: AVX2-only, no-AVX and AArch64), the C++ install and
+# a find_package consumer (scripts/test_install.sh), then pytest.
 # Exits non-zero if any test fails or if a runner ran no test.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -10,6 +11,7 @@ echo "== ctest (native)"
 .venv/bin/ctest --test-dir build/py --output-on-failure --no-tests=error
 
 bash scripts/test_emulated.sh
+bash scripts/test_install.sh
 
 echo "== pytest"
 .venv/bin/python -m pytest tests

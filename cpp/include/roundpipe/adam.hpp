@@ -36,5 +36,4 @@ struct AdamState {
 /// the bias corrections. Throws roundpipe::Error naming the option or `tensors[i].<slot>` when
 /// an option is out of range or a required pointer is null; nothing is modified then.
 void adam_step(const AdamOptions& options, const ParamBuffers* tensors, std::size_t count);
-
 }  // namespace roundpipe

@@ -4,4 +4,5 @@
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/error.hpp"
 #include "roundpipe/isa.hpp"
+#include "roundpipe/optimizers.hpp"
 #include "roundpipe/threads.hpp"
