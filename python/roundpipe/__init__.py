@@ -5,6 +5,20 @@ the optimizer runs on the CPU in fp32 with SIMD kernels (``roundpipe.optim``).
 """
 
 from .context import OptimizerCtx
+from .execute import layer_seed
+from .microbatch import merge_outputs, split_microbatches
+from .recompute import doing_recompute, get_recompute_data, save_for_recompute
+from .wrapper import RoundPipe
 
 __version__ = "0.1.0"
-__all__ = ["OptimizerCtx", "__version__"]
+__all__ = [
+    "OptimizerCtx",
+    "RoundPipe",
+    "__version__",
+    "doing_recompute",
+    "get_recompute_data",
+    "layer_seed",
+    "merge_outputs",
+    "save_for_recompute",
+    "split_microbatches",
+]

@@ -1,0 +1,48 @@
+"""The plan: which layers form each stage and which compute device runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def split_layers(model: nn.Module) -> list[nn.Module]:
+    """An ``nn.Sequential``'s children are the layers; any other module is one layer."""
+    if isinstance(model, nn.Sequential):
+        layers = list(model.children())
+        if not layers:
+            raise ValueError("RoundPipe: the nn.Sequential model has no layers")
+        return layers
+    return [model]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Consecutive layers ``[start, stop)`` that run together on one device."""
+
+    index: int
+    start: int
+    stop: int
+    device: torch.device
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+
+def make_stages(num_layers: int, layers_per_stage: int, devices: list[torch.device]) -> list[Stage]:
+    """Groups layers into stages of ``layers_per_stage`` (the last may be shorter) and assigns
+    them to ``devices`` round-robin."""
+    if layers_per_stage < 1:
+        raise ValueError(f"RoundPipe: layers_per_stage must be >= 1, got {layers_per_stage}")
+    starts = range(0, num_layers, layers_per_stage)
+    return [Stage(i, s, min(s + layers_per_stage, num_layers), devices[i % len(devices)])
+            for i, s in enumerate(starts)]
+
+
+def default_device() -> torch.device:
+    """The first CUDA device when one is available, else the CPU. Called at construction, never
+    at import, so importing roundpipe does not initialise CUDA."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
