@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-exec .venv/bin/python examples/adam_side_by_side.py "$@"
+exec .venv/bin/python examples/train_tiny_llama.py "$@"
