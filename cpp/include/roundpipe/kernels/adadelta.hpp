@@ -4,9 +4,12 @@
 // from the options as torch.optim.Adadelta does; the kernel applies, per element, the same
 // sequence of float32 operations as torch's single-tensor Adadelta:
 //   g = maximize ? -grad : grad;   g = g + wd * p                      (grad.add(p, alpha=wd))
-//   sq = sq * rho + ((1 - rho) * g) * g                     (mul_(rho).addcmul_(g, g, 1 - rho))
+//   sq = fma((1 - rho) * g, g, sq * rho)                    (mul_(rho).addcmul_(g, g, 1 - rho))
 //   delta = sqrt(acc + eps) / sqrt(sq + eps) * g
-//   acc = acc * rho + ((1 - rho) * delta) * delta;   p = p + (-lr) * delta
+//   acc = fma((1 - rho) * delta, delta, acc * rho);   p = fma(delta, -lr, p)
+// torch's addcmul is self + value * t1 * t2 in C++, and GCC contracts it (vector and scalar
+// lambdas alike) into fma(value * t1, t2, self) in ATen's AVX2 and AVX-512 kernels; its
+// DEFAULT (no FMA) kernels round twice, as our scalar ISA's fmadd does.
 #pragma once
 #include <cstddef>
 
@@ -46,12 +49,12 @@ inline void adadelta_kernel(const detail::AdadeltaCoeffs& c, const ParamBuffers&
     if (c.use_weight_decay) g = fmadd(p, V::set1(c.weight_decay), g);
     const V rho = V::set1(c.rho), one_minus_rho = V::set1(c.one_minus_rho), eps = V::set1(c.eps);
     V sq = V::load(square_avg + i) * rho;
-    sq = sq + one_minus_rho * g * g;
+    sq = fmadd(one_minus_rho * g, g, sq);
     const V std_ = sqrt(sq + eps);
     V acc = V::load(acc_delta + i);
     const V delta = sqrt(acc + eps) / std_ * g;
     acc = acc * rho;
-    acc = acc + one_minus_rho * delta * delta;
+    acc = fmadd(one_minus_rho * delta, delta, acc);
     p = fmadd(delta, V::set1(c.neg_lr), p);
     sq.store(square_avg + i);
     acc.store(acc_delta + i);
