@@ -155,6 +155,51 @@ NB_MODULE(_C, m) {
       "the 0-dim float32 step counts, incremented. max_exp_avg_sqs may be [] unless amsgrad.\n"
       "A None in params skips that position (None there in every list).");
 
+  nb::class_<roundpipe::AdadeltaOptions>(m, "AdadeltaOptions", "roundpipe::AdadeltaOptions (torch.optim.Adadelta's hyperparameters).")
+      .def(nb::init<>())
+      .def_rw("lr", &roundpipe::AdadeltaOptions::lr)
+      .def_rw("rho", &roundpipe::AdadeltaOptions::rho)
+      .def_rw("eps", &roundpipe::AdadeltaOptions::eps)
+      .def_rw("weight_decay", &roundpipe::AdadeltaOptions::weight_decay)
+      .def_rw("maximize", &roundpipe::AdadeltaOptions::maximize);
+  def_step<roundpipe::AdadeltaOptions>(
+      m, "adadelta_step", &roundpipe::adadelta_step, {"square_avgs", "acc_deltas"}, {"steps"},
+      "adadelta_step(options, params, grads, [square_avgs, acc_deltas], [steps]):\n"
+      "one Adadelta step (torch.optim.Adadelta semantics) over lists of float32 CPU tensors;\n"
+      "steps are the 0-dim float32 step counts, incremented.\n"
+      "A None in params skips that position (None there in every list).");
+
+  nb::class_<roundpipe::AdamaxOptions>(m, "AdamaxOptions", "roundpipe::AdamaxOptions (torch.optim.Adamax's hyperparameters).")
+      .def(nb::init<>())
+      .def_rw("lr", &roundpipe::AdamaxOptions::lr)
+      .def_rw("beta1", &roundpipe::AdamaxOptions::beta1)
+      .def_rw("beta2", &roundpipe::AdamaxOptions::beta2)
+      .def_rw("eps", &roundpipe::AdamaxOptions::eps)
+      .def_rw("weight_decay", &roundpipe::AdamaxOptions::weight_decay)
+      .def_rw("maximize", &roundpipe::AdamaxOptions::maximize);
+  def_step<roundpipe::AdamaxOptions>(
+      m, "adamax_step", &roundpipe::adamax_step, {"exp_avgs", "exp_infs"}, {"steps"},
+      "adamax_step(options, params, grads, [exp_avgs, exp_infs], [steps]):\n"
+      "one Adamax step (torch.optim.Adamax semantics) over lists of float32 CPU tensors;\n"
+      "steps are the 0-dim float32 step counts, incremented.\n"
+      "A None in params skips that position (None there in every list).");
+
+  nb::class_<roundpipe::AsgdOptions>(m, "AsgdOptions", "roundpipe::AsgdOptions (torch.optim.ASGD's hyperparameters).")
+      .def(nb::init<>())
+      .def_rw("lr", &roundpipe::AsgdOptions::lr)
+      .def_rw("lambd", &roundpipe::AsgdOptions::lambd)
+      .def_rw("alpha", &roundpipe::AsgdOptions::alpha)
+      .def_rw("t0", &roundpipe::AsgdOptions::t0)
+      .def_rw("weight_decay", &roundpipe::AsgdOptions::weight_decay)
+      .def_rw("maximize", &roundpipe::AsgdOptions::maximize);
+  def_step<roundpipe::AsgdOptions>(
+      m, "asgd_step", &roundpipe::asgd_step, {"axs"}, {"steps", "etas", "mus"},
+      "asgd_step(options, params, grads, [axs], [steps, etas, mus]):\n"
+      "one ASGD step (torch.optim.ASGD semantics) over lists of float32 CPU tensors; steps,\n"
+      "etas and mus are 0-dim float32 tensors: steps incremented, the update uses the stored\n"
+      "eta and mu, which are then replaced by the next step's values.\n"
+      "A None in params skips that position (None there in every list).");
+
   m.def("supported_isas", [] {
     std::vector<std::string> out;
     for (auto isa : roundpipe::supported_isas()) out.emplace_back(roundpipe::isa_name(isa));

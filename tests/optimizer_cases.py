@@ -50,4 +50,37 @@ CASES = [
         invalid=[dict(lr=-1.0), dict(betas=(0.9, 1.0)), dict(weight_decay=-1e-3)],
         base=dict(lr=1e-2, amsgrad=True),
     ),
+    Case(
+        "Adadelta", rpo.Adadelta, torch.optim.Adadelta,
+        # rho 0 and 1 are the ends torch accepts: 1 - rho is then 1 (no memory) or 0 (frozen
+        # averages, delta = grad); eps 0.5 makes eps dominate both square roots.
+        sweep=grid(lr=[0.5], rho=[0.9, 0.25], weight_decay=[0.0, 0.1], maximize=[False, True])
+        + [dict(lr=1.0, rho=0.0), dict(lr=1e-2, rho=1.0, weight_decay=0.1),
+           dict(lr=0.5, eps=0.5, maximize=True)],
+        invalid=[dict(lr=-1.0), dict(rho=1.1), dict(rho=-0.1), dict(eps=-1.0),
+                 dict(weight_decay=-1.0), dict(lr=torch.tensor([0.1, 0.2]))],
+        base=dict(lr=0.5, weight_decay=0.1),
+        lr=0.5,
+    ),
+    Case(
+        "Adamax", rpo.Adamax, torch.optim.Adamax,
+        # beta1 0.3: 1 - beta1 >= 0.5 takes torch's other lerp formula; eps 0.5 makes
+        # |g| + eps win the maximum often, and beta2 0.5 lets exp_inf fall below it.
+        sweep=grid(lr=[1e-2], betas=[(0.9, 0.999), (0.3, 0.5)], weight_decay=[0.0, 0.1],
+                   maximize=[False, True])
+        + [dict(lr=1e-2, betas=(0.0, 0.0), eps=0.5), dict(lr=1e-2, eps=0.0, maximize=True)],
+        invalid=[dict(lr=-1.0), dict(eps=-1.0), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1)),
+                 dict(weight_decay=-1.0), dict(lr=torch.tensor([0.1, 0.2]))],
+        base=dict(lr=1e-2, weight_decay=0.1),
+    ),
+    Case(
+        "ASGD", rpo.ASGD, torch.optim.ASGD,
+        # t0 = 5: averaging (mu = 1 / (step - t0) != 1) starts within the 20 steps; lambd 0.5
+        # makes the decay term and the eta schedule visible.
+        sweep=grid(lr=[1e-2], lambd=[1e-4, 0.5], t0=[1e6, 5.0], weight_decay=[0.0, 0.1],
+                   maximize=[False, True])
+        + [dict(lr=0.1, lambd=1.0, alpha=1.5, t0=0.0), dict(lr=0.1, lambd=0.0, alpha=0.0, t0=-3.0)],
+        invalid=[dict(lr=-1.0), dict(weight_decay=-1.0), dict(lr=torch.tensor([0.1, 0.2]))],
+        base=dict(lr=1e-2, lambd=0.1, t0=2.0, weight_decay=0.1),
+    ),
 ]

@@ -4,10 +4,48 @@
 #pragma once
 #include <cstddef>
 
+#include "roundpipe/adadelta.hpp"
 #include "roundpipe/adam.hpp"
+#include "roundpipe/adamax.hpp"
+#include "roundpipe/asgd.hpp"
 #include "roundpipe/optimizer.hpp"
 
 namespace roundpipe {
+
+/// Traits of an algorithm whose first `NumState` state slots are always used and start as
+/// zeros, with its 0-dim values (step) starting at 0.
+template <class Options, void (*Step)(const Options&, const ParamBuffers*, std::size_t),
+          int NumState>
+struct ZeroInitTraits {
+  static void step(const Options& o, const ParamBuffers* t, std::size_t n) { Step(o, t, n); }
+  static bool uses_state(const Options&, int slot) { return slot < NumState; }
+  static void init(const Options&, ParamBuffers&) {}
+};
+
+template <>
+struct AlgorithmTraits<AdadeltaOptions> : ZeroInitTraits<AdadeltaOptions, adadelta_step, 2> {
+  static constexpr const char* name = "Adadelta";
+};
+/// Adadelta that owns its state; matches torch.optim.Adadelta.
+using Adadelta = Optimizer<AdadeltaOptions>;
+
+template <>
+struct AlgorithmTraits<AdamaxOptions> : ZeroInitTraits<AdamaxOptions, adamax_step, 2> {
+  static constexpr const char* name = "Adamax";
+};
+/// Adamax that owns its state; matches torch.optim.Adamax.
+using Adamax = Optimizer<AdamaxOptions>;
+
+template <>
+struct AlgorithmTraits<AsgdOptions> : ZeroInitTraits<AsgdOptions, asgd_step, 1> {
+  static constexpr const char* name = "ASGD";
+  static void init(const AsgdOptions& o, ParamBuffers& t) {  // torch: eta = lr, mu = 1
+    *t.scalar[AsgdState::eta] = static_cast<float>(o.lr);
+    *t.scalar[AsgdState::mu] = 1.0f;
+  }
+};
+/// ASGD that owns its state; matches torch.optim.ASGD.
+using Asgd = Optimizer<AsgdOptions>;
 
 template <>
 struct AlgorithmTraits<AdamOptions> {
@@ -21,5 +59,7 @@ struct AlgorithmTraits<AdamOptions> {
 
 /// Adam that owns its state (see roundpipe/optimizer.hpp); matches torch.optim.Adam.
 using Adam = Optimizer<AdamOptions>;
+// AdamW is Adam with AdamOptions::decoupled_weight_decay = true (and, as torch.optim.AdamW's
+// default, weight_decay = 1e-2).
 
 }  // namespace roundpipe

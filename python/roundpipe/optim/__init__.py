@@ -10,12 +10,18 @@ the kernels use (also settable with the environment variable ``ROUNDPIPE_ISA``);
 """
 
 from .._C import active_isa, num_threads, set_isa, set_num_threads, supported_isas
+from .adadelta import Adadelta
 from .adam import Adam
+from .adamax import Adamax
 from .adamw import AdamW
+from .asgd import ASGD
 
 __all__ = [
+    "ASGD",
+    "Adadelta",
     "Adam",
     "AdamW",
+    "Adamax",
     "active_isa",
     "num_threads",
     "set_isa",

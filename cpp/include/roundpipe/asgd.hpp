@@ -1,0 +1,43 @@
+// ASGD (averaged stochastic gradient descent): the stateless step over caller-owned buffers.
+//
+// Algorithm: Polyak & Juditsky, "Acceleration of Stochastic Approximation by Averaging" (1992),
+// with the step-size and averaging schedules of Bottou, "Stochastic Gradient Descent Tricks"
+// (2012), as torch.optim.ASGD defines them:
+//   p = p * (1 - lambd * eta) - eta * g;   ax = mu == 1 ? p : ax + (p - ax) * mu
+//   then eta = lr / (1 + lambd * lr * step)^alpha,  mu = 1 / max(1, step - t0)
+// This step uses the eta and mu stored by the previous one. The update matches torch.optim.ASGD
+// (foreach=False) operation by operation: eta and mu are computed in double from the float32
+// step count and stored as float32, as torch does; the element-wise math runs in float32.
+#pragma once
+#include <cstddef>
+
+#include "roundpipe/buffers.hpp"
+
+namespace roundpipe {
+
+/// Hyperparameters, named and defaulted as in torch.optim.ASGD (which checks only lr and
+/// weight_decay; lambd, alpha and t0 may be any value, as there).
+struct AsgdOptions {
+  double lr = 1e-2;            ///< initial learning rate, >= 0
+  double lambd = 1e-4;         ///< decay term
+  double alpha = 0.75;         ///< power of the eta schedule
+  double t0 = 1e6;             ///< step from which averaging starts
+  double weight_decay = 0.0;   ///< L2 penalty, >= 0
+  bool maximize = false;       ///< ascend instead of descend
+};
+
+/// ParamBuffers slots for ASGD (torch.optim.ASGD's state keys). `ax` starts as zeros; the 0-dim
+/// values start as torch sets them: step 0, eta = lr (rounded to float32), mu = 1.
+struct AsgdState {
+  enum : int { ax = 0 };
+  enum : int { step = 0, eta = 1, mu = 2 };  // scalar slots
+};
+
+/// Runs one ASGD step on `count` tensors, spread over the worker pool, with the active ISA.
+/// Per tensor: the step is incremented, the update uses the stored eta and mu, and then eta and
+/// mu are replaced by their values for the new step. Throws roundpipe::Error naming the option
+/// or `tensors[i].<slot>` when an option is out of range or a required pointer is null; nothing
+/// is modified then.
+void asgd_step(const AsgdOptions& options, const ParamBuffers* tensors, std::size_t count);
+
+}  // namespace roundpipe

@@ -1,0 +1,59 @@
+// ASGD's element-wise update, written once over the SIMD vector types of roundpipe/simd.
+//
+// AsgdCoeffs holds one tensor's float32 coefficients, computed by asgd_step (cpp/optim/asgd.cpp)
+// from the tensor's stored eta and mu as torch.optim.ASGD computes them; the kernel applies, per
+// element, the same sequence of float32 operations as torch's single-tensor ASGD:
+//   g = maximize ? -grad : grad;   g = g + wd * p                      (grad.add(p, alpha=wd))
+//   p = p * (1 - lambd * eta);     p = p + (-eta) * g                  (add_(g, alpha=-eta))
+//   ax = mu != 1 ? ax + (p - ax) * mu : p              (ax.add_(p.sub(ax).mul_(mu)) / copy_)
+#pragma once
+#include <cstddef>
+
+#include "roundpipe/asgd.hpp"
+
+namespace roundpipe {
+namespace detail {
+
+struct AsgdCoeffs {
+  bool use_weight_decay;   // torch's `weight_decay != 0`, decided on the double
+  float weight_decay;
+  float decay;             // 1 - lambd * eta
+  float neg_eta;
+  bool average;            // mu != 1: ax moves towards p by mu; otherwise ax = p
+  float mu;
+  bool maximize;
+};
+
+}  // namespace detail
+}  // namespace roundpipe
+
+#ifdef ROUNDPIPE_ISA_NS
+#include "for_range.hpp"
+
+namespace roundpipe {
+namespace ROUNDPIPE_ISA_NS {
+
+inline void asgd_kernel(const detail::AsgdCoeffs& c, const ParamBuffers& t, std::size_t begin,
+                        std::size_t end) {
+  float* const ax = t.state[AsgdState::ax];
+  for_range(begin, end, [&](auto tag, std::size_t i) {
+    using V = decltype(tag);
+    V g = V::load(t.grad + i);
+    V p = V::load(t.param + i);
+    if (c.maximize) g = -g;
+    if (c.use_weight_decay) g = fmadd(p, V::set1(c.weight_decay), g);
+    p = p * V::set1(c.decay);
+    p = fmadd(g, V::set1(c.neg_eta), p);
+    p.store(t.param + i);
+    if (c.average) {
+      const V a = V::load(ax + i);
+      (a + (p - a) * V::set1(c.mu)).store(ax + i);
+    } else {
+      p.store(ax + i);
+    }
+  });
+}
+
+}  // namespace ROUNDPIPE_ISA_NS
+}  // namespace roundpipe
+#endif

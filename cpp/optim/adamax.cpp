@@ -1,0 +1,48 @@
+// adamax_step (roundpipe/adamax.hpp): checks, per-tensor step sizes in double as
+// torch.optim.Adamax computes them, then the active ISA's kernel over all tensors on the pool.
+#include "roundpipe/adamax.hpp"
+
+#include <cmath>
+#include <vector>
+
+#include "check.hpp"
+#include "kernel_table.hpp"
+#include "parallel.hpp"
+
+namespace roundpipe {
+
+void adamax_step(const AdamaxOptions& o, const ParamBuffers* tensors, std::size_t count) {
+  constexpr const char* fn = "adamax_step";
+  detail::check_range(fn, "lr", o.lr, 0.0);
+  detail::check_range(fn, "beta1", o.beta1, 0.0, 1.0, true);
+  detail::check_range(fn, "beta2", o.beta2, 0.0, 1.0, true);
+  detail::check_range(fn, "eps", o.eps, 0.0);
+  detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
+  static const char* const state_names[] = {"exp_avg", "exp_inf", nullptr};
+  static const char* const scalar_names[] = {"step"};
+  detail::check_buffers(fn, tensors, count, state_names, 0b011u, scalar_names, 1);
+  const detail::KernelTable& kernels = detail::active_kernels();
+
+  const detail::Lerp lerp = detail::lerp_coeff(1.0 - o.beta1);
+  std::vector<detail::AdamaxCoeffs> coeffs(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    float& step_t = *tensors[i].scalar[AdamaxState::step];
+    step_t += 1.0f;
+    // torch: bias_correction = 1 - beta1 ** step_t.item(); clr = lr / bias_correction.
+    const double bias_correction = 1.0 - std::pow(o.beta1, static_cast<double>(step_t));
+    const double clr = o.lr / bias_correction;
+    coeffs[i] = detail::AdamaxCoeffs{
+        /*use_weight_decay=*/o.weight_decay != 0.0,
+        static_cast<float>(o.weight_decay),
+        lerp.weight,
+        lerp.from_end,
+        static_cast<float>(o.beta2),
+        static_cast<float>(o.eps),
+        static_cast<float>(-clr),
+        o.maximize,
+    };
+  }
+  detail::run_kernel(kernels.adamax, coeffs.data(), tensors, count);
+}
+
+}  // namespace roundpipe

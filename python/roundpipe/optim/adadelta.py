@@ -1,0 +1,106 @@
+"""``roundpipe.optim.Adadelta``: torch.optim.Adadelta's interface and results, stepped by SIMD
+kernels."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .. import _C
+from ._base import CpuOptimizer, scalar
+
+
+class Adadelta(CpuOptimizer):
+    """Adadelta (Zeiler, "ADADELTA: An Adaptive Learning Rate Method", 2012): a drop-in
+    replacement for ``torch.optim.Adadelta`` whose step runs in the RoundPipe C++ kernels.
+
+    Same signature, defaults, validation errors, ``state`` keys (``step``: 0-dim float32
+    tensor; ``square_avg``, ``acc_delta``: float32, shaped like the parameter, created at the
+    first step) and ``state_dict`` format as ``torch.optim.Adadelta``, so LR schedulers and
+    checkpoints work unchanged, in both directions. Results match
+    ``torch.optim.Adadelta(foreach=False)`` to a few float32 ulp per step.
+
+    Parameters must be float32, CPU, dense and contiguous tensors with dense gradients of the
+    same shape. ``lr`` may be a 1-element tensor (read at every step).
+
+    Args:
+        params: iterable of parameters, ``(name, parameter)`` pairs or param-group dicts.
+        lr: coefficient that scales the delta before it is applied (default 1.0).
+        rho: decay of the running averages of squared gradients and deltas (default 0.9).
+        eps: added inside both square roots (default 1e-6).
+        weight_decay: L2 penalty (default 0).
+        foreach: ignored with a UserWarning (placeholder for torch compatibility).
+        capturable: must be False.
+        maximize: maximize the objective instead of minimizing it (default False).
+        differentiable: must be False.
+
+    Raises:
+        ValueError: a hyperparameter is out of range (as torch.optim.Adadelta), or
+            ``capturable`` / ``differentiable`` is True.
+        TypeError, ValueError, RuntimeError at ``step``: see :meth:`CpuOptimizer.step`.
+    """
+
+    _kernel = _C.adadelta_step
+    _state_keys = ("square_avg", "acc_delta")
+
+    def __init__(
+        self,
+        params,
+        lr: Union[float, torch.Tensor] = 1.0,
+        rho: float = 0.9,
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        foreach: Optional[bool] = None,
+        *,
+        capturable: bool = False,
+        maximize: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= rho <= 1.0:
+            raise ValueError(f"Invalid rho value: {rho}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(
+            lr=lr,
+            rho=rho,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            capturable=capturable,
+            foreach=foreach,
+            differentiable=differentiable,
+        )
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("foreach", None)
+            group.setdefault("maximize", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("capturable", False)
+            for p in group["params"]:
+                p_state = self.state.get(p, [])
+                if len(p_state) != 0 and not torch.is_tensor(p_state["step"]):
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    def _init_state(self, group, p, state):
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["acc_delta"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _options(self, group):
+        o = _C.AdadeltaOptions()
+        o.lr = scalar(group["lr"])
+        o.rho = group["rho"]
+        o.eps = group["eps"]
+        o.weight_decay = group["weight_decay"]
+        o.maximize = group["maximize"]
+        return o

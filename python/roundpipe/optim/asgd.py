@@ -1,0 +1,121 @@
+"""``roundpipe.optim.ASGD``: torch.optim.ASGD's interface and results, stepped by SIMD
+kernels."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .. import _C
+from ._base import CpuOptimizer, scalar
+
+
+class ASGD(CpuOptimizer):
+    """ASGD, averaged stochastic gradient descent (Polyak & Juditsky, "Acceleration of
+    Stochastic Approximation by Averaging", 1992), with the step-size and averaging schedules
+    of ``torch.optim.ASGD``: a drop-in replacement for it whose step runs in the RoundPipe C++
+    kernels.
+
+    Each step, with the ``eta`` and ``mu`` stored by the previous one::
+
+        p  = p * (1 - lambd * eta) - eta * grad
+        ax = ax + (p - ax) * mu        (ax = p while mu == 1)
+        eta = lr / (1 + lambd * lr * step) ** alpha;   mu = 1 / max(1, step - t0)
+
+    Same signature (``foreach``, ``maximize``, ``differentiable`` and ``capturable`` may be
+    passed by position, as in torch), defaults, validation errors (only ``lr`` and
+    ``weight_decay`` are checked), ``state`` keys (``step``, ``eta``, ``mu``: 0-dim float32
+    tensors starting at 0, ``lr`` and 1; ``ax``: float32, shaped like the parameter; all created
+    at the first step) and ``state_dict`` format as ``torch.optim.ASGD``, so LR schedulers and
+    checkpoints work unchanged, in both directions. Results match
+    ``torch.optim.ASGD(foreach=False)`` to a few float32 ulp per step. (With a tensor ``lr``
+    torch computes the next ``eta`` in float32 tensor arithmetic; we compute it in double, as
+    torch does for a float ``lr``: the stored ``eta`` may then differ in its last bit.)
+
+    Parameters must be float32, CPU, dense and contiguous tensors with dense gradients of the
+    same shape. ``lr`` may be a 1-element tensor (read at every step).
+
+    Args:
+        params: iterable of parameters, ``(name, parameter)`` pairs or param-group dicts.
+        lr: learning rate, and the first step's eta (default 1e-2).
+        lambd: decay term (default 1e-4).
+        alpha: power of the eta schedule (default 0.75).
+        t0: step from which averaging starts (default 1e6).
+        weight_decay: L2 penalty (default 0).
+        foreach: ignored with a UserWarning (placeholder for torch compatibility).
+        maximize: maximize the objective instead of minimizing it (default False).
+        differentiable: must be False.
+        capturable: must be False.
+
+    Raises:
+        ValueError: ``lr`` or ``weight_decay`` is out of range (as torch.optim.ASGD), or
+            ``capturable`` / ``differentiable`` is True.
+        TypeError, ValueError, RuntimeError at ``step``: see :meth:`CpuOptimizer.step`.
+    """
+
+    _kernel = _C.asgd_step
+    _state_keys = ("ax",)
+    _scalar_keys = ("step", "eta", "mu")
+
+    def __init__(
+        self,
+        params,
+        lr: Union[float, torch.Tensor] = 1e-2,
+        lambd: float = 1e-4,
+        alpha: float = 0.75,
+        t0: float = 1e6,
+        weight_decay: float = 0.0,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        differentiable: bool = False,
+        capturable: bool = False,
+    ) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(
+            lr=lr,
+            lambd=lambd,
+            alpha=alpha,
+            t0=t0,
+            weight_decay=weight_decay,
+            foreach=foreach,
+            maximize=maximize,
+            differentiable=differentiable,
+            capturable=capturable,
+        )
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("foreach", None)
+            group.setdefault("maximize", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("capturable", False)
+            for p in group["params"]:
+                p_state = self.state.get(p, [])
+                if len(p_state) != 0:
+                    for key in ("step", "eta", "mu"):
+                        if not torch.is_tensor(p_state[key]):
+                            p_state[key] = torch.tensor(float(p_state[key]), dtype=torch.float32)
+
+    def _init_state(self, group, p, state):
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["eta"] = torch.tensor(scalar(group["lr"]), dtype=torch.float32)
+        state["mu"] = torch.ones((), dtype=torch.float32)
+        state["ax"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _options(self, group):
+        o = _C.AsgdOptions()
+        o.lr = scalar(group["lr"])
+        o.lambd = group["lambd"]
+        o.alpha = group["alpha"]
+        o.t0 = group["t0"]
+        o.weight_decay = group["weight_decay"]
+        o.maximize = group["maximize"]
+        return o
