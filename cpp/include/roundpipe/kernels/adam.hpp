@@ -4,7 +4,7 @@
 // in double exactly as torch.optim.Adam computes them; the kernel applies, per element, the same
 // sequence of float32 operations as torch's single-tensor Adam:
 //   g = maximize ? -grad : grad;  g = g + wd * p (L2) | p = p * (1 - lr * wd) (decoupled)
-//   m = lerp(m, g, 1 - beta1);    v = v * beta2 + (1 - beta2) * g * g
+//   m = lerp(m, g, 1 - beta1);    v = fma((1 - beta2) * g, g, v * beta2)
 //   vmax = max(vmax, v) (amsgrad);  p = p + (-step_size * m) / (sqrt(v) / bc2_sqrt + eps)
 #pragma once
 #include <cstddef>
@@ -52,8 +52,10 @@ inline void adam_kernel(const detail::AdamCoeffs& c, const ParamBuffers& t, std:
     V m = V::load(exp_avg + i);
     m = c.lerp_from_end ? fmadd(V::set1(c.lerp_weight), g - m, g)
                         : fmadd(V::set1(c.lerp_weight), g - m, m);
+    // torch's addcmul: self + value * t1 * t2, which ATen's AVX2/AVX-512 kernels compute as
+    // fma(value * t1, t2, self); fmadd rounds twice on ISAs without FMA, as ATen's fallback.
     V v = V::load(exp_avg_sq + i) * V::set1(c.beta2);
-    v = v + V::set1(c.one_minus_beta2) * g * g;
+    v = fmadd(V::set1(c.one_minus_beta2) * g, g, v);
     m.store(exp_avg + i);
     v.store(exp_avg_sq + i);
     if (c.amsgrad) {
