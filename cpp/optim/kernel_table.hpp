@@ -4,12 +4,18 @@
 #include <cstddef>
 
 #include "roundpipe/kernels/adam.hpp"
+#include "roundpipe/kernels/nadam.hpp"
+#include "roundpipe/kernels/radam.hpp"
+#include "roundpipe/kernels/rprop.hpp"
 
 namespace roundpipe {
 namespace detail {
 
 struct KernelTable {
   void (*adam)(const AdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+  void (*nadam)(const NAdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+  void (*radam)(const RAdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+  void (*rprop)(const RpropCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
 };
 
 // The table of the active ISA (roundpipe::active_isa()); throws roundpipe::Error as that does.
