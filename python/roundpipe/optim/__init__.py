@@ -12,10 +12,16 @@ the kernels use (also settable with the environment variable ``ROUNDPIPE_ISA``);
 from .._C import active_isa, num_threads, set_isa, set_num_threads, supported_isas
 from .adam import Adam
 from .adamw import AdamW
+from .nadam import NAdam
+from .radam import RAdam
+from .rprop import Rprop
 
 __all__ = [
     "Adam",
     "AdamW",
+    "NAdam",
+    "RAdam",
+    "Rprop",
     "active_isa",
     "num_threads",
     "set_isa",
