@@ -200,6 +200,56 @@ NB_MODULE(_C, m) {
       "eta and mu, which are then replaced by the next step's values.\n"
       "A None in params skips that position (None there in every list).");
 
+  nb::class_<roundpipe::NAdamOptions>(m, "NAdamOptions", "roundpipe::NAdamOptions (torch.optim.NAdam's hyperparameters).")
+      .def(nb::init<>())
+      .def_rw("lr", &roundpipe::NAdamOptions::lr)
+      .def_rw("beta1", &roundpipe::NAdamOptions::beta1)
+      .def_rw("beta2", &roundpipe::NAdamOptions::beta2)
+      .def_rw("eps", &roundpipe::NAdamOptions::eps)
+      .def_rw("weight_decay", &roundpipe::NAdamOptions::weight_decay)
+      .def_rw("momentum_decay", &roundpipe::NAdamOptions::momentum_decay)
+      .def_rw("decoupled_weight_decay", &roundpipe::NAdamOptions::decoupled_weight_decay)
+      .def_rw("maximize", &roundpipe::NAdamOptions::maximize);
+  def_step<roundpipe::NAdamOptions>(
+      m, "nadam_step", &roundpipe::nadam_step, {"exp_avgs", "exp_avg_sqs"},
+      {"steps", "mu_products"},
+      "nadam_step(options, params, grads, [exp_avgs, exp_avg_sqs], [steps, mu_products]):\n"
+      "one NAdam step (torch.optim.NAdam semantics) over lists of float32 CPU tensors; steps\n"
+      "(incremented) and mu_products (multiplied by mu_t) are 0-dim float32 tensors.\n"
+      "A None in params skips that position (None there in every list).");
+
+  nb::class_<roundpipe::RAdamOptions>(m, "RAdamOptions", "roundpipe::RAdamOptions (torch.optim.RAdam's hyperparameters).")
+      .def(nb::init<>())
+      .def_rw("lr", &roundpipe::RAdamOptions::lr)
+      .def_rw("beta1", &roundpipe::RAdamOptions::beta1)
+      .def_rw("beta2", &roundpipe::RAdamOptions::beta2)
+      .def_rw("eps", &roundpipe::RAdamOptions::eps)
+      .def_rw("weight_decay", &roundpipe::RAdamOptions::weight_decay)
+      .def_rw("decoupled_weight_decay", &roundpipe::RAdamOptions::decoupled_weight_decay)
+      .def_rw("maximize", &roundpipe::RAdamOptions::maximize);
+  def_step<roundpipe::RAdamOptions>(
+      m, "radam_step", &roundpipe::radam_step, {"exp_avgs", "exp_avg_sqs"}, {"steps"},
+      "radam_step(options, params, grads, [exp_avgs, exp_avg_sqs], [steps]):\n"
+      "one RAdam step (torch.optim.RAdam semantics) over lists of float32 CPU tensors; steps\n"
+      "are the 0-dim float32 step counts, incremented.\n"
+      "A None in params skips that position (None there in every list).");
+
+  nb::class_<roundpipe::RpropOptions>(m, "RpropOptions", "roundpipe::RpropOptions (torch.optim.Rprop's hyperparameters).")
+      .def(nb::init<>())
+      .def_rw("lr", &roundpipe::RpropOptions::lr)
+      .def_rw("etaminus", &roundpipe::RpropOptions::etaminus)
+      .def_rw("etaplus", &roundpipe::RpropOptions::etaplus)
+      .def_rw("step_size_min", &roundpipe::RpropOptions::step_size_min)
+      .def_rw("step_size_max", &roundpipe::RpropOptions::step_size_max)
+      .def_rw("maximize", &roundpipe::RpropOptions::maximize);
+  def_step<roundpipe::RpropOptions>(
+      m, "rprop_step", &roundpipe::rprop_step, {"prevs", "step_sizes"}, {"steps"},
+      "rprop_step(options, params, grads, [prevs, step_sizes], [steps]):\n"
+      "one Rprop step (torch.optim.Rprop semantics) over lists of float32 CPU tensors; the\n"
+      "caller creates step_sizes filled with lr (options.lr is not read); steps are the 0-dim\n"
+      "float32 step counts, incremented.\n"
+      "A None in params skips that position (None there in every list).");
+
   m.def("supported_isas", [] {
     std::vector<std::string> out;
     for (auto isa : roundpipe::supported_isas()) out.emplace_back(roundpipe::isa_name(isa));

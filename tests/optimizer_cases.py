@@ -84,3 +84,45 @@ CASES = [
         base=dict(lr=1e-2, lambd=0.1, t0=2.0, weight_decay=0.1),
     ),
 ]
+
+CASES += [
+    Case(
+        "NAdam", rpo.NAdam, torch.optim.NAdam,
+        sweep=grid(lr=[1e-2], betas=[(0.8, 0.99)], eps=[1e-6], maximize=[False, True],
+                   weight_decay=[0.0, 0.1], decoupled_weight_decay=[False, True])
+        # momentum_decay drives mu_t and the float32 running product mu_product: none (mu_t is
+        # constant), a fast schedule, torch's default with beta1 = 0 (mu_product 0).
+        + [dict(lr=1e-2, momentum_decay=0.0), dict(lr=1e-2, momentum_decay=0.3),
+           dict(lr=1e-2, betas=(0.0, 0.5))]
+        + [dict(lr=1e-2, betas=(torch.tensor(0.8), torch.tensor(0.99)), weight_decay=0.1)],
+        invalid=[dict(lr=-1.0), dict(eps=-1.0), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1)),
+                 dict(weight_decay=-1.0), dict(momentum_decay=-1e-3),
+                 dict(lr=torch.tensor([0.1, 0.2]))],
+        base=dict(lr=1e-2, weight_decay=0.1, momentum_decay=0.01),
+    ),
+    Case(
+        "RAdam", rpo.RAdam, torch.optim.RAdam,
+        sweep=grid(lr=[1e-2], eps=[1e-6], maximize=[False, True], weight_decay=[0.0, 0.1],
+                   decoupled_weight_decay=[False, True])
+        # Where the rectified branch (rho_t > 5) starts: step 6 for beta2 near 1, step 10 for
+        # beta2 = 0.7 (rho_inf = 5.67, r_t small), never for beta2 <= 0.6 (rho_inf <= 4).
+        + grid(lr=[1e-2], betas=[(0.9, 0.99), (0.8, 0.7), (0.0, 0.5)])
+        + [dict(lr=1e-2, betas=(torch.tensor(0.8), torch.tensor(0.99)), weight_decay=0.1)],
+        invalid=[dict(lr=-1.0), dict(eps=-1.0), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1)),
+                 dict(weight_decay=-1.0), dict(lr=torch.tensor([0.1, 0.2]))],
+        base=dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+    ),
+    Case(
+        "Rprop", rpo.Rprop, torch.optim.Rprop,
+        # Random gradients flip sign half the time, so growth, shrinking and the zeroed
+        # gradient all occur; step_sizes (1e-3, 1.5e-2) with lr 1e-2 reach both clamps within
+        # a few steps; max < min (torch's clamp then gives max everywhere).
+        sweep=grid(lr=[1e-2], etas=[(0.5, 1.2), (0.25, 2.0)],
+                   step_sizes=[(1e-6, 50), (1e-3, 1.5e-2), (0.02, 0.01)])
+        + [dict(lr=1e-2, etas=(0.25, 2.0), step_sizes=(1e-3, 1.5e-2), maximize=True)],
+        invalid=[dict(lr=-1.0), dict(etas=(0.0, 1.2)), dict(etas=(1.0, 1.2)),
+                 dict(etas=(0.5, 1.0)), dict(etas=(0.5, 0.9)),
+                 dict(lr=torch.tensor([0.1, 0.2]))],
+        base=dict(lr=1e-2, etas=(0.4, 1.3), step_sizes=(1e-4, 0.1)),
+    ),
+]

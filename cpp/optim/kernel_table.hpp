@@ -7,6 +7,9 @@
 #include "roundpipe/kernels/adam.hpp"
 #include "roundpipe/kernels/adamax.hpp"
 #include "roundpipe/kernels/asgd.hpp"
+#include "roundpipe/kernels/nadam.hpp"
+#include "roundpipe/kernels/radam.hpp"
+#include "roundpipe/kernels/rprop.hpp"
 
 namespace roundpipe {
 namespace detail {
@@ -16,6 +19,9 @@ struct KernelTable {
   void (*adadelta)(const AdadeltaCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
   void (*adamax)(const AdamaxCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
   void (*asgd)(const AsgdCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+  void (*nadam)(const NAdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+  void (*radam)(const RAdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+  void (*rprop)(const RpropCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
 };
 
 // The table of the active ISA (roundpipe::active_isa()); throws roundpipe::Error as that does.

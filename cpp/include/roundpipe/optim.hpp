@@ -7,5 +7,8 @@
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/error.hpp"
 #include "roundpipe/isa.hpp"
+#include "roundpipe/nadam.hpp"
+#include "roundpipe/radam.hpp"
+#include "roundpipe/rprop.hpp"
 #include "roundpipe/optimizers.hpp"
 #include "roundpipe/threads.hpp"

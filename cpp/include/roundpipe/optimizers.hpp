@@ -8,7 +8,10 @@
 #include "roundpipe/adam.hpp"
 #include "roundpipe/adamax.hpp"
 #include "roundpipe/asgd.hpp"
+#include "roundpipe/nadam.hpp"
 #include "roundpipe/optimizer.hpp"
+#include "roundpipe/radam.hpp"
+#include "roundpipe/rprop.hpp"
 
 namespace roundpipe {
 
@@ -61,5 +64,28 @@ struct AlgorithmTraits<AdamOptions> {
 using Adam = Optimizer<AdamOptions>;
 // AdamW is Adam with AdamOptions::decoupled_weight_decay = true (and, as torch.optim.AdamW's
 // default, weight_decay = 1e-2).
+
+template <>
+struct AlgorithmTraits<NAdamOptions> : ZeroInitTraits<NAdamOptions, nadam_step, 2> {
+  static constexpr const char* name = "NAdam";
+  static void init(const NAdamOptions&, ParamBuffers& t) { *t.scalar[NAdamState::mu_product] = 1.0f; }
+};
+/// NAdam that owns its state; matches torch.optim.NAdam.
+using NAdam = Optimizer<NAdamOptions>;
+
+template <>
+struct AlgorithmTraits<RAdamOptions> : ZeroInitTraits<RAdamOptions, radam_step, 2> {
+  static constexpr const char* name = "RAdam";
+};
+/// RAdam that owns its state; matches torch.optim.RAdam.
+using RAdam = Optimizer<RAdamOptions>;
+
+template <>
+struct AlgorithmTraits<RpropOptions> : ZeroInitTraits<RpropOptions, rprop_step, 2> {
+  static constexpr const char* name = "Rprop";
+  static void init(const RpropOptions& o, ParamBuffers& t) { rprop_init_state(o, t); }  // step_size = lr
+};
+/// Rprop that owns its state; matches torch.optim.Rprop.
+using Rprop = Optimizer<RpropOptions>;
 
 }  // namespace roundpipe

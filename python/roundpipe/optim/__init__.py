@@ -15,6 +15,9 @@ from .adam import Adam
 from .adamax import Adamax
 from .adamw import AdamW
 from .asgd import ASGD
+from .nadam import NAdam
+from .radam import RAdam
+from .rprop import Rprop
 
 __all__ = [
     "ASGD",
@@ -22,6 +25,9 @@ __all__ = [
     "Adam",
     "AdamW",
     "Adamax",
+    "NAdam",
+    "RAdam",
+    "Rprop",
     "active_isa",
     "num_threads",
     "set_isa",

@@ -1,0 +1,65 @@
+// rprop_step and rprop_init_state (roundpipe/rprop.hpp): checks, the float32 hyperparameters,
+// then the active ISA's kernel over all tensors on the worker pool.
+#include "roundpipe/rprop.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include "check.hpp"
+#include "kernel_table.hpp"
+#include "parallel.hpp"
+
+namespace roundpipe {
+namespace {
+
+constexpr const char* kStateNames[] = {"prev", "step_size"};
+constexpr const char* kScalarNames[] = {"step"};
+
+// torch.optim.Rprop's constructor check, 0 < etaminus < 1 < etaplus, one option at a time. The
+// step sizes are not checked, as in torch: a NaN bound makes every step size NaN.
+void check_options(const char* fn, const RpropOptions& o) {
+  if (!(o.etaminus > 0.0 && o.etaminus < 1.0))
+    throw Error(std::string(fn) + ": etaminus must be in (0, 1), got " + detail::fmt(o.etaminus));
+  if (!(o.etaplus > 1.0))
+    throw Error(std::string(fn) + ": etaplus must be in (1, inf], got " + detail::fmt(o.etaplus));
+}
+
+}  // namespace
+
+void rprop_init_state(const RpropOptions& o, const ParamBuffers& t) {
+  constexpr const char* fn = "rprop_init_state";
+  detail::check_range(fn, "lr", o.lr, 0.0);
+  if (!t.scalar[RpropState::step]) throw Error(std::string(fn) + ": tensor.step is null");
+  for (int k : {RpropState::prev, RpropState::step_size})
+    if (t.numel != 0 && !t.state[k])
+      throw Error(std::string(fn) + ": tensor." + kStateNames[k] + " is null (numel " +
+                  std::to_string(t.numel) + ")");
+  *t.scalar[RpropState::step] = 0.0f;
+  if (t.numel == 0) return;
+  std::fill(t.state[RpropState::prev], t.state[RpropState::prev] + t.numel, 0.0f);
+  std::fill(t.state[RpropState::step_size], t.state[RpropState::step_size] + t.numel,
+            static_cast<float>(o.lr));
+}
+
+void rprop_step(const RpropOptions& o, const ParamBuffers* tensors, std::size_t count) {
+  constexpr const char* fn = "rprop_step";
+  check_options(fn, o);
+  detail::check_buffers(fn, tensors, count, kStateNames, 0b11u, kScalarNames, 1);
+  const detail::KernelTable& kernels = detail::active_kernels();
+
+  for (std::size_t i = 0; i < count; ++i) *tensors[i].scalar[RpropState::step] += 1.0f;
+  const detail::RpropCoeffs c{
+      static_cast<float>(o.etaminus),
+      static_cast<float>(o.etaplus),
+      static_cast<float>(o.step_size_min),
+      static_cast<float>(o.step_size_max),
+      o.maximize,
+  };
+  detail::for_each_chunk(
+      count, [&](std::size_t i) { return tensors[i].numel; },
+      [&](std::size_t i, std::size_t begin, std::size_t end) {
+        kernels.rprop(c, tensors[i], begin, end);
+      });
+}
+
+}  // namespace roundpipe

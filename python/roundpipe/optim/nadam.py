@@ -1,0 +1,125 @@
+"""``roundpipe.optim.NAdam``: torch.optim.NAdam's interface and results, stepped by SIMD kernels."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .. import _C
+from ._base import CpuOptimizer, scalar
+
+
+class NAdam(CpuOptimizer):
+    """NAdam: Adam with Nesterov momentum (Dozat, "Incorporating Nesterov Momentum into Adam",
+    2016), with the momentum schedule ``mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))``
+    and optional decoupled weight decay (NAdamW, Loshchilov & Hutter, 2019): a drop-in
+    replacement for ``torch.optim.NAdam`` whose step runs in the RoundPipe C++ kernels.
+
+    Same signature, defaults, validation errors, ``state`` keys (``step`` and ``mu_product``:
+    0-dim float32 tensors, the running product of the ``mu_t`` starting at 1; ``exp_avg``,
+    ``exp_avg_sq``: float32, shaped like the parameter) and ``state_dict`` format as
+    ``torch.optim.NAdam``, so LR schedulers and checkpoints work unchanged, in both directions.
+    Results match ``torch.optim.NAdam(foreach=False)`` to a few float32 ulp per step.
+
+    Parameters must be float32, CPU, dense and contiguous tensors with dense gradients of the
+    same shape. ``lr`` and ``betas`` may be 1-element tensors (read at every step).
+
+    Args:
+        params: iterable of parameters, ``(name, parameter)`` pairs or param-group dicts.
+        lr: learning rate (default 2e-3).
+        betas: decay rates of the first and second moment estimates (default (0.9, 0.999)).
+        eps: added to the denominator (default 1e-8).
+        weight_decay: L2 penalty, or decoupled decay with ``decoupled_weight_decay`` (default 0).
+        momentum_decay: the ``psi`` of the momentum schedule (default 4e-3).
+        decoupled_weight_decay: apply weight decay as AdamW does (default False).
+        foreach: ignored with a UserWarning (placeholder for torch compatibility).
+        maximize: maximize the objective instead of minimizing it (default False).
+        capturable: must be False.
+        differentiable: must be False.
+
+    Raises:
+        ValueError: a hyperparameter is out of range (as torch.optim.NAdam), or ``capturable`` /
+            ``differentiable`` is True.
+    """
+
+    _kernel = _C.nadam_step
+    _state_keys = ("exp_avg", "exp_avg_sq")
+    _scalar_keys = ("step", "mu_product")
+
+    def __init__(
+        self,
+        params,
+        lr: Union[float, torch.Tensor] = 2e-3,
+        betas: Tuple[Union[float, torch.Tensor], Union[float, torch.Tensor]] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        momentum_decay: float = 4e-3,
+        decoupled_weight_decay: bool = False,
+        *,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not 0.0 <= momentum_decay:
+            raise ValueError(f"Invalid momentum_decay value: {momentum_decay}")
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum_decay=momentum_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+        )
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("decoupled_weight_decay", False)
+            for p in group["params"]:
+                p_state = self.state.get(p, [])
+                if len(p_state) != 0:
+                    if not torch.is_tensor(p_state["step"]):
+                        p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+                    if not torch.is_tensor(p_state["mu_product"]):
+                        p_state["mu_product"] = torch.tensor(p_state["mu_product"], dtype=torch.float32)
+
+    def _init_state(self, group, p, state):
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["mu_product"] = torch.tensor(1.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _options(self, group):
+        o = _C.NAdamOptions()
+        o.lr = scalar(group["lr"])
+        o.beta1, o.beta2 = (scalar(b) for b in group["betas"])
+        o.eps = group["eps"]
+        o.weight_decay = group["weight_decay"]
+        o.momentum_decay = group["momentum_decay"]
+        o.decoupled_weight_decay = group["decoupled_weight_decay"]
+        o.maximize = group["maximize"]
+        return o

@@ -1,0 +1,116 @@
+"""``roundpipe.optim.RAdam``: torch.optim.RAdam's interface and results, stepped by SIMD kernels."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .. import _C
+from ._base import CpuOptimizer, scalar
+
+
+class RAdam(CpuOptimizer):
+    """RAdam, Rectified Adam (Liu et al., "On the Variance of the Adaptive Learning Rate and
+    Beyond", 2020), with optional decoupled weight decay (RAdamW, Loshchilov & Hutter, 2019):
+    a drop-in replacement for ``torch.optim.RAdam`` whose step runs in the RoundPipe C++
+    kernels. While the length of the approximated simple moving average ``rho_t`` is at most 5
+    (the first steps), the update is the bias-corrected momentum times ``lr``; after that it is
+    Adam's step times the variance rectification term.
+
+    Same signature, defaults, validation errors, ``state`` keys (``step``: 0-dim float32
+    tensor; ``exp_avg``, ``exp_avg_sq``: float32, shaped like the parameter) and
+    ``state_dict`` format as ``torch.optim.RAdam``, so LR schedulers and checkpoints work
+    unchanged, in both directions. Results match ``torch.optim.RAdam(foreach=False)`` to a few
+    float32 ulp per step.
+
+    Parameters must be float32, CPU, dense and contiguous tensors with dense gradients of the
+    same shape. ``lr`` and ``betas`` may be 1-element tensors (read at every step).
+
+    Args:
+        params: iterable of parameters, ``(name, parameter)`` pairs or param-group dicts.
+        lr: learning rate (default 1e-3).
+        betas: decay rates of the first and second moment estimates (default (0.9, 0.999)).
+        eps: added to the denominator (default 1e-8).
+        weight_decay: L2 penalty, or decoupled decay with ``decoupled_weight_decay`` (default 0).
+        decoupled_weight_decay: apply weight decay as AdamW does (default False).
+        foreach: ignored with a UserWarning (placeholder for torch compatibility).
+        maximize: maximize the objective instead of minimizing it (default False).
+        capturable: must be False.
+        differentiable: must be False.
+
+    Raises:
+        ValueError: a hyperparameter is out of range (as torch.optim.RAdam), or ``capturable`` /
+            ``differentiable`` is True.
+    """
+
+    _kernel = _C.radam_step
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params,
+        lr: Union[float, torch.Tensor] = 1e-3,
+        betas: Tuple[Union[float, torch.Tensor], Union[float, torch.Tensor]] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        decoupled_weight_decay: bool = False,
+        *,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            decoupled_weight_decay=decoupled_weight_decay,
+            differentiable=differentiable,
+        )
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("foreach", None)
+            group.setdefault("maximize", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("decoupled_weight_decay", False)
+            group.setdefault("capturable", False)
+            for p in group["params"]:
+                p_state = self.state.get(p, [])
+                if len(p_state) != 0 and not torch.is_tensor(p_state["step"]):
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    def _init_state(self, group, p, state):
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _options(self, group):
+        o = _C.RAdamOptions()
+        o.lr = scalar(group["lr"])
+        o.beta1, o.beta2 = (scalar(b) for b in group["betas"])
+        o.eps = group["eps"]
+        o.weight_decay = group["weight_decay"]
+        o.decoupled_weight_decay = group["decoupled_weight_decay"]
+        o.maximize = group["maximize"]
+        return o
