@@ -10,12 +10,18 @@ the kernels use (also settable with the environment variable ``ROUNDPIPE_ISA``);
 """
 
 from .._C import active_isa, num_threads, set_isa, set_num_threads, supported_isas
+from .adagrad import Adagrad
 from .adam import Adam
 from .adamw import AdamW
+from .rmsprop import RMSprop
+from .sgd import SGD
 
 __all__ = [
+    "Adagrad",
     "Adam",
     "AdamW",
+    "RMSprop",
+    "SGD",
     "active_isa",
     "num_threads",
     "set_isa",

@@ -2,11 +2,12 @@
 //
 // AdagradCoeffs holds one tensor's float32 coefficients, computed by adagrad_step
 // (cpp/optim/adagrad.cpp) in double as torch.optim.Adagrad computes them; the kernel applies,
-// per element, the same sequence of float32 operations as torch's single-tensor Adagrad
-// (addcmul(a, x, y, value=v) is a + (v * x) * y and addcdiv(a, x, y, value=v) is
-// a + (v * x) / y in ATen, unfused):
+// per element, the same sequence of float32 operations as torch's single-tensor Adagrad. ATen's
+// addcmul(a, x, y, value=v) is fmadd(v * x, y, a) (its a + v * x * y is contracted into an FMA in
+// torch's AVX2/AVX-512 builds, and is not in its no-FMA build, as our fmadd); addcdiv(a, x, y,
+// value=v) is a + (v * x) / y:
 //   g = maximize ? -grad : grad;   g = fmadd(p, wd, g)                        (wd != 0)
-//   sum = sum + g * g;             p = p + (-clr * g) / (sqrt(sum) + eps)
+//   sum = fmadd(g, g, sum);        p = p + (-clr * g) / (sqrt(sum) + eps)
 #pragma once
 #include <cstddef>
 
@@ -40,7 +41,7 @@ inline void adagrad_kernel(const detail::AdagradCoeffs& c, const ParamBuffers& t
     V p = V::load(t.param + i);
     if (c.maximize) g = -g;
     if (c.weight_decay != 0.0f) g = fmadd(p, V::set1(c.weight_decay), g);
-    V s = V::load(sum + i) + g * g;
+    const V s = fmadd(g, g, V::load(sum + i));
     s.store(sum + i);
     const V std = sqrt(s) + V::set1(c.eps);
     p = p + V::set1(c.neg_clr) * g / std;

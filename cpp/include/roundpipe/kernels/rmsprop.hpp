@@ -2,11 +2,13 @@
 //
 // RMSpropCoeffs holds one tensor's float32 coefficients, computed by rmsprop_step
 // (cpp/optim/rmsprop.cpp) as torch.optim.RMSprop computes them; the kernel applies, per element,
-// the same sequence of float32 operations as torch's single-tensor RMSprop (ATen's addcmul and
-// addcdiv are a + (v * x) * y and a + (v * x) / y, unfused; lerp as detail::lerp_coeff):
+// the same sequence of float32 operations as torch's single-tensor RMSprop. ATen's
+// addcmul(a, x, y, value=v) is fmadd(v * x, y, a) (contracted into an FMA in torch's AVX2/AVX-512
+// builds, not in its no-FMA build, as our fmadd); addcdiv(a, x, y, value=v) is a + (v * x) / y;
+// lerp as detail::lerp_coeff:
 //   g = maximize ? -grad : grad;   g = fmadd(p, wd, g)                        (wd != 0)
-//   sa = sa * alpha;  sa = sa + ((1 - alpha) * g) * g
-//   centered: ga = lerp(ga, g, 1 - alpha);  avg = sqrt(sa + (-ga) * ga)   (addcmul, value=-1)
+//   sa = sa * alpha;  sa = fmadd((1 - alpha) * g, g, sa)
+//   centered: ga = lerp(ga, g, 1 - alpha);  avg = sqrt(fmadd(-ga, ga, sa))  (addcmul, value=-1)
 //   else:     avg = sqrt(sa)
 //   avg = avg + eps
 //   momentum > 0: buf = buf * momentum;  buf = buf + g / avg;  p = fmadd(buf, -lr, p)
@@ -54,7 +56,7 @@ inline void rmsprop_kernel(const detail::RMSpropCoeffs& c, const ParamBuffers& t
     if (c.maximize) g = -g;
     if (c.weight_decay != 0.0f) g = fmadd(p, V::set1(c.weight_decay), g);
     V sa = V::load(square_avg + i) * V::set1(c.alpha);
-    sa = sa + V::set1(c.one_minus_alpha) * g * g;
+    sa = fmadd(V::set1(c.one_minus_alpha) * g, g, sa);
     sa.store(square_avg + i);
     V var = sa;
     if (c.centered) {
@@ -62,7 +64,7 @@ inline void rmsprop_kernel(const detail::RMSpropCoeffs& c, const ParamBuffers& t
       ga = c.lerp_from_end ? fmadd(V::set1(c.lerp_weight), g - ga, g)
                            : fmadd(V::set1(c.lerp_weight), g - ga, ga);
       ga.store(grad_avg + i);
-      var = sa + (-ga) * ga;
+      var = fmadd(-ga, ga, sa);
     }
     const V avg = sqrt(var) + V::set1(c.eps);
     if (c.use_momentum) {
