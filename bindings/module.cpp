@@ -83,8 +83,10 @@ template <class Options>
 using StepFn = void (*)(const Options&, const roundpipe::ParamBuffers*, std::size_t);
 
 // Binds `fn` as `name(options, params, grads, states, scalars)`. `states` holds one list per
-// state slot, in slot order and named by state_names (an empty list: the slot is not passed);
-// `scalars` one list per 0-dim state, named by scalar_names (scalars[0]: the steps).
+// state slot, in slot order and named by state_names; `scalars` one list per 0-dim state slot,
+// named by scalar_names (scalars[0]: the steps, or SGD's momentum-buffer flags). In both, an
+// empty or missing trailing list means the slot is not passed (its pointers stay null, which
+// the step accepts only for a slot its options leave unused).
 template <class Options>
 void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
               std::vector<const char*> state_names, std::vector<const char*> scalar_names,
@@ -95,7 +97,7 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
                                             const Tensors& grads, const std::vector<Tensors>& states,
                                             const std::vector<Tensors>& scalars) {
         const std::size_t n = params.size();
-        if (states.size() > state_names.size() || scalars.size() != scalar_names.size())
+        if (states.size() > state_names.size() || scalars.size() > scalar_names.size())
           throw nb::value_error((std::string(name) + ": expected at most " +
                                  std::to_string(state_names.size()) + " state lists and " +
                                  std::to_string(scalar_names.size()) + " scalar lists").c_str());
@@ -103,7 +105,7 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
         for (std::size_t k = 0; k < states.size(); ++k)
           if (!states[k].empty()) check_count(name, state_names[k], states[k], n);
         for (std::size_t k = 0; k < scalars.size(); ++k)
-          check_count(name, scalar_names[k], scalars[k], n);
+          if (!scalars[k].empty()) check_count(name, scalar_names[k], scalars[k], n);
         std::vector<roundpipe::ParamBuffers> tensors;
         tensors.reserve(n);
         for (std::size_t i = 0; i < n; ++i) {
@@ -117,6 +119,7 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
               t.state[k] = checked(present(states[k], name, state_names[k], i), name,
                                    state_names[k], i, &p);
           for (std::size_t k = 0; k < scalars.size(); ++k) {
+            if (scalars[k].empty()) continue;
             const nb::ndarray<>& s = present(scalars[k], name, scalar_names[k], i);
             t.scalar[k] = checked(s, name, scalar_names[k], i, nullptr);
             if (s.size() != 1)
@@ -249,6 +252,55 @@ NB_MODULE(_C, m) {
       "caller creates step_sizes filled with lr (options.lr is not read); steps are the 0-dim\n"
       "float32 step counts, incremented.\n"
       "A None in params skips that position (None there in every list).");
+
+  nb::class_<roundpipe::SGDOptions>(m, "SGDOptions", "roundpipe::SGDOptions (torch.optim.SGD's hyperparameters).")
+      .def(nb::init<>())
+      .def_rw("lr", &roundpipe::SGDOptions::lr)
+      .def_rw("momentum", &roundpipe::SGDOptions::momentum)
+      .def_rw("dampening", &roundpipe::SGDOptions::dampening)
+      .def_rw("weight_decay", &roundpipe::SGDOptions::weight_decay)
+      .def_rw("nesterov", &roundpipe::SGDOptions::nesterov)
+      .def_rw("maximize", &roundpipe::SGDOptions::maximize);
+  def_step<roundpipe::SGDOptions>(
+      m, "sgd_step", &roundpipe::sgd_step, {"momentum_buffers"}, {"momentum_buffer_ready"},
+      "sgd_step(options, params, grads, [momentum_buffers], [momentum_buffer_ready]):\n"
+      "one SGD step (torch.optim.SGD semantics) over lists of float32 CPU tensors.\n"
+      "momentum_buffer_ready holds 0-dim float32 flags: 0 means the buffer holds no value yet\n"
+      "(the step copies the decayed gradient into it and sets the flag to 1), 1 that it holds\n"
+      "the running momentum; a flag is written only when it changes. Pass [], [] when momentum\n"
+      "is 0. A None in params skips that position (None there in every list).");
+
+  nb::class_<roundpipe::AdagradOptions>(m, "AdagradOptions", "roundpipe::AdagradOptions (torch.optim.Adagrad's hyperparameters but initial_accumulator_value,\nwhich is the value state_sums start with).")
+      .def(nb::init<>())
+      .def_rw("lr", &roundpipe::AdagradOptions::lr)
+      .def_rw("lr_decay", &roundpipe::AdagradOptions::lr_decay)
+      .def_rw("weight_decay", &roundpipe::AdagradOptions::weight_decay)
+      .def_rw("eps", &roundpipe::AdagradOptions::eps)
+      .def_rw("maximize", &roundpipe::AdagradOptions::maximize);
+  def_step<roundpipe::AdagradOptions>(
+      m, "adagrad_step", &roundpipe::adagrad_step, {"state_sums"}, {"steps"},
+      "adagrad_step(options, params, grads, [state_sums], [steps]):\n"
+      "one Adagrad step (torch.optim.Adagrad semantics) over lists of float32 CPU tensors; steps\n"
+      "are the 0-dim float32 step counts, incremented. A None in params skips that position\n"
+      "(None there in every list).");
+
+  nb::class_<roundpipe::RMSpropOptions>(m, "RMSpropOptions", "roundpipe::RMSpropOptions (torch.optim.RMSprop's hyperparameters).")
+      .def(nb::init<>())
+      .def_rw("lr", &roundpipe::RMSpropOptions::lr)
+      .def_rw("alpha", &roundpipe::RMSpropOptions::alpha)
+      .def_rw("eps", &roundpipe::RMSpropOptions::eps)
+      .def_rw("weight_decay", &roundpipe::RMSpropOptions::weight_decay)
+      .def_rw("momentum", &roundpipe::RMSpropOptions::momentum)
+      .def_rw("centered", &roundpipe::RMSpropOptions::centered)
+      .def_rw("maximize", &roundpipe::RMSpropOptions::maximize);
+  def_step<roundpipe::RMSpropOptions>(
+      m, "rmsprop_step", &roundpipe::rmsprop_step, {"square_avgs", "momentum_buffers", "grad_avgs"},
+      {"steps"},
+      "rmsprop_step(options, params, grads, [square_avgs, momentum_buffers, grad_avgs], [steps]):\n"
+      "one RMSprop step (torch.optim.RMSprop semantics) over lists of float32 CPU tensors; steps\n"
+      "are the 0-dim float32 step counts, incremented. momentum_buffers may be [] unless\n"
+      "momentum > 0, grad_avgs [] unless centered. A None in params skips that position (None\n"
+      "there in every list).");
 
   m.def("supported_isas", [] {
     std::vector<std::string> out;

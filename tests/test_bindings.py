@@ -79,3 +79,20 @@ def test_parameter_that_requires_grad_is_updated_in_place():
     with torch.no_grad():
         _C.adam_step(_C.AdamOptions(), *_args(p))
     assert torch.all(p < 1)
+
+
+def test_a_slot_list_left_empty_is_not_passed():
+    # SGD without momentum takes no buffer and no flag; a step that needs a slot names it.
+    p = torch.ones(4)
+    o = _C.SGDOptions()
+    o.lr = 0.5
+    _C.sgd_step(o, [p], [torch.ones(4)], [], [])
+    assert torch.equal(p, torch.full((4,), 0.5))
+    o.momentum = 0.9
+    with pytest.raises(ValueError, match="momentum_buffer_ready"):
+        _C.sgd_step(o, [p], [torch.ones(4)], [[torch.zeros(4)]], [])
+    with pytest.raises(ValueError, match=r"tensors\[0\]\.step is null"):
+        _C.adam_step(_C.AdamOptions(), [p], [torch.ones(4)], _args(p)[2], [[]])
+    with pytest.raises(ValueError, match="at most 1 state lists and 1 scalar lists"):
+        _C.sgd_step(o, [p], [torch.ones(4)], [[]], [[], []])
+    assert torch.equal(p, torch.full((4,), 0.5))

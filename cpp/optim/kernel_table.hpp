@@ -4,12 +4,15 @@
 #include <cstddef>
 
 #include "roundpipe/kernels/adadelta.hpp"
+#include "roundpipe/kernels/adagrad.hpp"
 #include "roundpipe/kernels/adam.hpp"
 #include "roundpipe/kernels/adamax.hpp"
 #include "roundpipe/kernels/asgd.hpp"
 #include "roundpipe/kernels/nadam.hpp"
 #include "roundpipe/kernels/radam.hpp"
+#include "roundpipe/kernels/rmsprop.hpp"
 #include "roundpipe/kernels/rprop.hpp"
+#include "roundpipe/kernels/sgd.hpp"
 
 namespace roundpipe {
 namespace detail {
@@ -22,6 +25,9 @@ struct KernelTable {
   void (*nadam)(const NAdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
   void (*radam)(const RAdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
   void (*rprop)(const RpropCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+  void (*sgd)(const SGDCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+  void (*adagrad)(const AdagradCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+  void (*rmsprop)(const RMSpropCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
 };
 
 // The table of the active ISA (roundpipe::active_isa()); throws roundpipe::Error as that does.

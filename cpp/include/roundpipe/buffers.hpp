@@ -8,10 +8,13 @@ namespace roundpipe {
 /// tensor's 0-dim float32 state values (torch.optim keeps these as 0-dim float32 tensors).
 ///
 /// What each `state` and `scalar` slot holds is fixed per algorithm and named in its header
-/// (e.g. AdamState::exp_avg); `scalar[0]` is always the step count, which the step function
-/// increments. Arrays may be null when numel == 0; a slot the algorithm does not use (or, like
-/// Adam's max_exp_avg_sq, uses only under an option) may be null. New state arrays start as
-/// torch initialises them (zeros unless the algorithm's header says otherwise).
+/// (e.g. AdamState::exp_avg). In an algorithm that counts steps (all but SGD), `scalar[0]` is
+/// the step count, which the step function increments. SGD keeps no step (torch.optim.SGD has
+/// none); its `scalar[0]` is a 0/1 flag saying whether the momentum buffer holds a value yet,
+/// which is not torch state (SGDState in roundpipe/sgd.hpp). Arrays may be null when numel == 0;
+/// a slot the algorithm does not use (or, like Adam's max_exp_avg_sq, uses only under an option)
+/// may be null. New state starts as torch initialises it: zeros unless the algorithm's header
+/// says otherwise (Adagrad's sum starts at initial_accumulator_value).
 struct ParamBuffers {
   static constexpr int kMaxState = 3;
   static constexpr int kMaxScalar = 3;

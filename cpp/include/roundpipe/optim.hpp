@@ -1,6 +1,7 @@
 // Umbrella header of the RoundPipe CPU optimizer library (target RoundPipe::optim).
 #pragma once
 #include "roundpipe/adadelta.hpp"
+#include "roundpipe/adagrad.hpp"
 #include "roundpipe/adam.hpp"
 #include "roundpipe/adamax.hpp"
 #include "roundpipe/asgd.hpp"
@@ -8,7 +9,9 @@
 #include "roundpipe/error.hpp"
 #include "roundpipe/isa.hpp"
 #include "roundpipe/nadam.hpp"
-#include "roundpipe/radam.hpp"
-#include "roundpipe/rprop.hpp"
 #include "roundpipe/optimizers.hpp"
+#include "roundpipe/radam.hpp"
+#include "roundpipe/rmsprop.hpp"
+#include "roundpipe/rprop.hpp"
+#include "roundpipe/sgd.hpp"
 #include "roundpipe/threads.hpp"

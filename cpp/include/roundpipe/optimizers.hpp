@@ -5,13 +5,16 @@
 #include <cstddef>
 
 #include "roundpipe/adadelta.hpp"
+#include "roundpipe/adagrad.hpp"
 #include "roundpipe/adam.hpp"
 #include "roundpipe/adamax.hpp"
 #include "roundpipe/asgd.hpp"
 #include "roundpipe/nadam.hpp"
 #include "roundpipe/optimizer.hpp"
 #include "roundpipe/radam.hpp"
+#include "roundpipe/rmsprop.hpp"
 #include "roundpipe/rprop.hpp"
+#include "roundpipe/sgd.hpp"
 
 namespace roundpipe {
 
@@ -87,5 +90,40 @@ struct AlgorithmTraits<RpropOptions> : ZeroInitTraits<RpropOptions, rprop_step, 
 };
 /// Rprop that owns its state; matches torch.optim.Rprop.
 using Rprop = Optimizer<RpropOptions>;
+
+template <>
+struct AlgorithmTraits<SGDOptions> : ZeroInitTraits<SGDOptions, sgd_step, 1> {
+  static constexpr const char* name = "SGD";
+  // The momentum buffer exists only with momentum (torch keeps none otherwise); it is filled by
+  // the first step, which the momentum_buffer_ready flag (0 at creation) tells the kernel.
+  static bool uses_state(const SGDOptions& o, int slot) {
+    return slot == SGDState::momentum_buffer && o.momentum != 0.0;
+  }
+};
+/// SGD that owns its state; matches torch.optim.SGD.
+using SGD = Optimizer<SGDOptions>;
+
+template <>
+struct AlgorithmTraits<AdagradOptions> : ZeroInitTraits<AdagradOptions, adagrad_step, 1> {
+  static constexpr const char* name = "Adagrad";
+  static void init(const AdagradOptions& o, ParamBuffers& t) {
+    const float v = static_cast<float>(o.initial_accumulator_value);
+    for (std::size_t i = 0; i < t.numel; ++i) t.state[AdagradState::sum][i] = v;
+  }
+};
+/// Adagrad that owns its state; matches torch.optim.Adagrad.
+using Adagrad = Optimizer<AdagradOptions>;
+
+template <>
+struct AlgorithmTraits<RMSpropOptions> : ZeroInitTraits<RMSpropOptions, rmsprop_step, 1> {
+  static constexpr const char* name = "RMSprop";
+  static bool uses_state(const RMSpropOptions& o, int slot) {
+    return slot == RMSpropState::square_avg ||
+           (slot == RMSpropState::momentum_buffer && o.momentum > 0.0) ||
+           (slot == RMSpropState::grad_avg && o.centered);
+  }
+};
+/// RMSprop that owns its state; matches torch.optim.RMSprop.
+using RMSprop = Optimizer<RMSpropOptions>;
 
 }  // namespace roundpipe

@@ -11,23 +11,29 @@ the kernels use (also settable with the environment variable ``ROUNDPIPE_ISA``);
 
 from .._C import active_isa, num_threads, set_isa, set_num_threads, supported_isas
 from .adadelta import Adadelta
+from .adagrad import Adagrad
 from .adam import Adam
 from .adamax import Adamax
 from .adamw import AdamW
 from .asgd import ASGD
 from .nadam import NAdam
 from .radam import RAdam
+from .rmsprop import RMSprop
 from .rprop import Rprop
+from .sgd import SGD
 
 __all__ = [
     "ASGD",
     "Adadelta",
+    "Adagrad",
     "Adam",
     "AdamW",
     "Adamax",
     "NAdam",
     "RAdam",
+    "RMSprop",
     "Rprop",
+    "SGD",
     "active_isa",
     "num_threads",
     "set_isa",

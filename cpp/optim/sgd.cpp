@@ -1,0 +1,51 @@
+// sgd_step (roundpipe/sgd.hpp): checks, per-tensor float32 coefficients as torch.optim.SGD
+// passes them to its tensor ops, the momentum-buffer flags, then the active ISA's kernel over
+// all tensors on the worker pool.
+#include "roundpipe/sgd.hpp"
+
+#include <string>
+#include <vector>
+
+#include "check.hpp"
+#include "kernel_table.hpp"
+#include "parallel.hpp"
+
+namespace roundpipe {
+
+void sgd_step(const SGDOptions& o, const ParamBuffers* tensors, std::size_t count) {
+  constexpr const char* fn = "sgd_step";
+  detail::check_range(fn, "lr", o.lr, 0.0);
+  detail::check_range(fn, "momentum", o.momentum, 0.0);
+  detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
+  if (o.nesterov && !(o.momentum > 0.0 && o.dampening == 0.0))
+    throw Error(std::string(fn) + ": nesterov requires momentum > 0 and dampening == 0, got " +
+                "momentum " + detail::fmt(o.momentum) + ", dampening " +
+                detail::fmt(o.dampening));
+  const bool use_momentum = o.momentum != 0.0;
+  static const char* const state_names[] = {"momentum_buffer"};
+  static const char* const scalar_names[] = {"momentum_buffer_ready"};
+  detail::check_buffers(fn, tensors, count, state_names, use_momentum ? 0b1u : 0u, scalar_names,
+                        use_momentum ? 1 : 0);
+  const detail::KernelTable& kernels = detail::active_kernels();
+
+  std::vector<detail::SGDCoeffs> coeffs(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    float* const ready = tensors[i].scalar[SGDState::momentum_buffer_ready];
+    const bool fresh = use_momentum && *ready == 0.0f;
+    coeffs[i] = detail::SGDCoeffs{
+        static_cast<float>(o.weight_decay),
+        static_cast<float>(o.momentum),
+        static_cast<float>(1.0 - o.dampening),
+        static_cast<float>(-o.lr),
+        use_momentum,
+        fresh,
+        o.nesterov,
+        o.maximize,
+    };
+    // Written only on the change, so a caller may pass one shared flag for ready buffers.
+    if (fresh) *ready = 1.0f;
+  }
+  detail::run_kernel(kernels.sgd, coeffs.data(), tensors, count);
+}
+
+}  // namespace roundpipe

@@ -1,0 +1,133 @@
+"""``roundpipe.optim.Adagrad``: torch.optim.Adagrad's interface and results, stepped by SIMD
+kernels."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .. import _C
+from ._base import CpuOptimizer, scalar
+
+
+class Adagrad(CpuOptimizer):
+    """Adagrad (Duchi, Hazan & Singer, "Adaptive Subgradient Methods for Online Learning and
+    Stochastic Optimization", JMLR 2011) with learning-rate decay, L2 weight decay and maximize:
+    a drop-in replacement for ``torch.optim.Adagrad`` whose step runs in the RoundPipe C++
+    kernels.
+
+    Same signature, defaults, validation errors, ``state`` and ``state_dict`` format as
+    ``torch.optim.Adagrad``. As there, the state is created when the optimizer is constructed,
+    for every parameter (with a gradient or not): ``step`` (0-dim float32 tensor, 0) and ``sum``
+    (float32, shaped like the parameter, filled with ``initial_accumulator_value``); a parameter
+    added later with ``add_param_group`` gets it at its first step. Like torch, both use the
+    constructor's ``initial_accumulator_value``, not a param group's own value. LR schedulers and
+    checkpoints work unchanged, in both directions. Results match
+    ``torch.optim.Adagrad(foreach=False)`` to a few float32 ulp per step.
+
+    Parameters must be float32, CPU, dense and contiguous tensors with dense gradients of the
+    same shape (torch's sparse-gradient Adagrad is not supported). ``lr`` may be a 1-element
+    tensor (read at every step).
+
+    Args:
+        params: iterable of parameters, ``(name, parameter)`` pairs or param-group dicts.
+        lr: learning rate (default 1e-2).
+        lr_decay: learning-rate decay: step t uses ``lr / (1 + (t - 1) * lr_decay)``
+            (default 0).
+        weight_decay: L2 penalty (default 0).
+        initial_accumulator_value: initial value of ``sum`` (default 0).
+        eps: added to the denominator (default 1e-10).
+        foreach: ignored with a UserWarning (placeholder for torch compatibility).
+        maximize: maximize the objective instead of minimizing it (default False).
+        differentiable: must be False.
+        fused: ignored with a UserWarning (placeholder for torch compatibility).
+
+    Raises:
+        ValueError: a hyperparameter is out of range (as torch.optim.Adagrad), or
+            ``differentiable`` is True.
+    """
+
+    _kernel = _C.adagrad_step
+    _state_keys = ("sum",)
+
+    def __init__(
+        self,
+        params,
+        lr: Union[float, torch.Tensor] = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        foreach: Optional[bool] = None,
+        *,
+        maximize: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+    ) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= lr_decay:
+            raise ValueError(f"Invalid lr_decay value: {lr_decay}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not 0.0 <= initial_accumulator_value:
+            raise ValueError(
+                f"Invalid initial_accumulator_value value: {initial_accumulator_value}"
+            )
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        defaults = dict(
+            lr=lr,
+            lr_decay=lr_decay,
+            eps=eps,
+            weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            foreach=foreach,
+            maximize=maximize,
+            differentiable=differentiable,
+            fused=fused,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._init_state(group, p, self.state[p])
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("foreach", None)
+            group.setdefault("maximize", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            for p in group["params"]:
+                p_state = self.state.get(p, [])
+                if len(p_state) != 0 and not torch.is_tensor(p_state["step"]):
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    def share_memory(self) -> None:
+        """Calls ``tensor.share_memory_()`` on the state ``sum`` tensors, as torch does."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["sum"].share_memory_()
+
+    def _init_state(self, group, p, state):
+        # torch fills `sum` with the constructor's value (self.defaults), also for a param
+        # group that names its own initial_accumulator_value.
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if "sum" not in state:
+            state["sum"] = torch.full_like(
+                p, self.defaults["initial_accumulator_value"], memory_format=torch.preserve_format
+            )
+
+    def _options(self, group):
+        o = _C.AdagradOptions()
+        o.lr = scalar(group["lr"])
+        o.lr_decay = group["lr_decay"]
+        o.weight_decay = group["weight_decay"]
+        o.eps = group["eps"]
+        o.maximize = group["maximize"]
+        return o

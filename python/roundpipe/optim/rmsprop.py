@@ -1,0 +1,132 @@
+"""``roundpipe.optim.RMSprop``: torch.optim.RMSprop's interface and results, stepped by SIMD
+kernels."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .. import _C
+from ._base import CpuOptimizer, scalar
+
+
+class RMSprop(CpuOptimizer):
+    """RMSprop (Hinton, Srivastava & Swersky, "Neural Networks for Machine Learning", lecture 6e,
+    2012), with the centered variant (Graves, "Generating Sequences With Recurrent Neural
+    Networks", 2013), momentum, L2 weight decay and maximize: a drop-in replacement for
+    ``torch.optim.RMSprop`` whose step runs in the RoundPipe C++ kernels.
+
+    Same signature, defaults, validation errors, ``state`` keys (``step``: 0-dim float32 tensor;
+    ``square_avg``, with ``momentum > 0`` ``momentum_buffer`` and with ``centered``
+    ``grad_avg``: float32, shaped like the parameter, created as zeros at its first step) and
+    ``state_dict`` format as ``torch.optim.RMSprop``, so LR schedulers and checkpoints work
+    unchanged, in both directions. Results match ``torch.optim.RMSprop(foreach=False)`` to a few
+    float32 ulp per step, including torch's NaN where rounding makes the centered variance
+    ``square_avg - grad_avg**2`` negative.
+
+    Parameters must be float32, CPU, dense and contiguous tensors with dense gradients of the
+    same shape. ``lr`` may be a 1-element tensor (read at every step).
+
+    Args:
+        params: iterable of parameters, ``(name, parameter)`` pairs or param-group dicts.
+        lr: learning rate (default 1e-2).
+        alpha: smoothing constant of the running averages (default 0.99).
+        eps: added to the denominator, after the square root (default 1e-8).
+        weight_decay: L2 penalty (default 0).
+        momentum: momentum factor (default 0).
+        centered: normalise the gradient by an estimate of its variance (default False).
+        capturable: must be False.
+        foreach: ignored with a UserWarning (placeholder for torch compatibility).
+        maximize: maximize the objective instead of minimizing it (default False).
+        differentiable: must be False.
+
+    Raises:
+        ValueError: a hyperparameter is out of range (as torch.optim.RMSprop), or
+            ``capturable`` / ``differentiable`` is True.
+    """
+
+    _kernel = _C.rmsprop_step
+    _state_keys = ("square_avg", "momentum_buffer", "grad_avg")
+
+    def __init__(
+        self,
+        params,
+        lr: Union[float, torch.Tensor] = 1e-2,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        centered: bool = False,
+        capturable: bool = False,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= momentum:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not 0.0 <= alpha:
+            raise ValueError(f"Invalid alpha value: {alpha}")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            alpha=alpha,
+            eps=eps,
+            centered=centered,
+            weight_decay=weight_decay,
+            capturable=capturable,
+            foreach=foreach,
+            maximize=maximize,
+            differentiable=differentiable,
+        )
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("momentum", 0)
+            group.setdefault("centered", False)
+            group.setdefault("foreach", None)
+            group.setdefault("maximize", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("capturable", False)
+            for p in group["params"]:
+                p_state = self.state.get(p, [])
+                if len(p_state) != 0 and not torch.is_tensor(p_state["step"]):
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    def _active_state_keys(self, group):
+        keys = ("square_avg",)
+        if group["momentum"] > 0:
+            keys += ("momentum_buffer",)
+        if group["centered"]:
+            keys += ("grad_avg",)
+        return keys
+
+    def _init_state(self, group, p, state):
+        # torch creates the state of a parameter at its first step; ours also creates a buffer
+        # that an option switched on later needs (torch raises KeyError there).
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+        for key in self._active_state_keys(group):
+            if key not in state:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _options(self, group):
+        o = _C.RMSpropOptions()
+        o.lr = scalar(group["lr"])
+        o.alpha = group["alpha"]
+        o.eps = group["eps"]
+        o.weight_decay = group["weight_decay"]
+        o.momentum = group["momentum"]
+        o.centered = group["centered"]
+        o.maximize = group["maximize"]
+        return o

@@ -1,0 +1,148 @@
+"""``roundpipe.optim.SGD``: torch.optim.SGD's interface and results, stepped by SIMD kernels."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .. import _C
+from ._base import CpuOptimizer, scalar
+
+# The kernel's flag for a momentum buffer that already holds a value. The kernel writes a flag
+# only when it turns it from 0 to 1, so this one tensor serves every such buffer and is never
+# written; a buffer created in this step gets a zero flag of its own.
+_READY = torch.ones((), dtype=torch.float32)
+
+
+class SGD(CpuOptimizer):
+    """Stochastic gradient descent, optionally with momentum (Polyak's heavy ball, with
+    dampening) or Nesterov momentum (Sutskever et al., "On the importance of initialization and
+    momentum in deep learning", 2013), L2 weight decay and maximize: a drop-in replacement for
+    ``torch.optim.SGD`` whose step runs in the RoundPipe C++ kernels.
+
+    Same signature, defaults, validation errors, ``state`` and ``state_dict`` format as
+    ``torch.optim.SGD``: no ``step`` count; with ``momentum != 0``, ``momentum_buffer`` (float32,
+    shaped like the parameter) appears at a parameter's first step as a copy of its (decayed)
+    gradient; with ``momentum == 0`` the optimizer keeps no state at all. LR schedulers and
+    checkpoints work unchanged, in both directions. Results match
+    ``torch.optim.SGD(foreach=False)`` to a float32 ulp or so per step.
+
+    Parameters must be float32, CPU, dense and contiguous tensors with dense gradients of the
+    same shape. ``lr`` and ``weight_decay`` may be 1-element tensors (read at every step).
+
+    Args:
+        params: iterable of parameters, ``(name, parameter)`` pairs or param-group dicts.
+        lr: learning rate (default 1e-3).
+        momentum: momentum factor (default 0).
+        dampening: dampening for momentum (default 0).
+        weight_decay: L2 penalty (default 0).
+        nesterov: use Nesterov momentum; needs ``momentum > 0`` and ``dampening == 0``
+            (default False).
+        maximize: maximize the objective instead of minimizing it (default False).
+        foreach: ignored with a UserWarning (placeholder for torch compatibility).
+        differentiable: must be False.
+        fused: ignored with a UserWarning (placeholder for torch compatibility).
+
+    Raises:
+        ValueError: a hyperparameter is out of range or ``nesterov`` lacks momentum or has
+            dampening (as torch.optim.SGD), or ``differentiable`` is True.
+    """
+
+    _kernel = _C.sgd_step
+    _state_keys = ("momentum_buffer",)
+    _scalar_keys = ()
+
+    def __init__(
+        self,
+        params,
+        lr: Union[float, torch.Tensor] = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: Union[float, torch.Tensor] = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+    ) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            differentiable=differentiable,
+            fused=fused,
+        )
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", False)
+
+    def _step_group(self, group):
+        """One kernel call over the group, as torch.optim.SGD.step: without momentum no state
+        is read or created; with momentum a parameter without ``momentum_buffer`` gets one,
+        stored only once the kernel has filled it, so a step that fails its checks leaves no
+        unfilled buffer behind."""
+        use_momentum = group["momentum"] != 0
+        params: list = []
+        grads: list = []
+        buffers: list = []
+        ready: list = []
+        created: list = []
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and g.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            params.append(None if g is None else p)
+            grads.append(g)
+            if not use_momentum:
+                continue
+            if g is None:
+                buffers.append(None)
+                ready.append(None)
+                continue
+            buf = self.state[p].get("momentum_buffer")
+            if buf is None:
+                buf = torch.empty_like(p, memory_format=torch.preserve_format)
+                created.append((p, buf))
+                ready.append(torch.zeros((), dtype=torch.float32))
+            else:
+                ready.append(_READY)
+            buffers.append(buf)
+        type(self)._kernel(
+            self._options(group), params, grads,
+            [buffers] if use_momentum else [], [ready] if use_momentum else [],
+        )
+        for p, buf in created:
+            self.state[p]["momentum_buffer"] = buf
+
+    def _options(self, group):
+        o = _C.SGDOptions()
+        o.lr = scalar(group["lr"])
+        o.momentum = group["momentum"]
+        o.dampening = group["dampening"]
+        o.weight_decay = scalar(group["weight_decay"])
+        o.nesterov = group["nesterov"]
+        o.maximize = group["maximize"]
+        return o
