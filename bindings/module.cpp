@@ -302,6 +302,15 @@ NB_MODULE(_C, m) {
       "momentum > 0, grad_avgs [] unless centered. A None in params skips that position (None\n"
       "there in every list).");
 
+  nb::class_<roundpipe::StreamOptions>(m, "StreamOptions", "roundpipe::StreamOptions (state arrays streamed).")
+      .def(nb::init<>())
+      .def_rw("states", &roundpipe::StreamOptions::states);
+  def_step<roundpipe::StreamOptions>(
+      m, "stream_step", &roundpipe::stream_step, {"state0s", "state1s", "state2s"}, {},
+      "stream_step(options, params, grads, [state0s, ...], []): the memory-traffic floor of a\n"
+      "step with options.states state arrays (reads param, grad, states; writes param, states;\n"
+      "one add per element). For benchmarks; the values written are meaningless.");
+
   m.def("supported_isas", [] {
     std::vector<std::string> out;
     for (auto isa : roundpipe::supported_isas()) out.emplace_back(roundpipe::isa_name(isa));

@@ -13,6 +13,7 @@
 #include "roundpipe/kernels/rmsprop.hpp"
 #include "roundpipe/kernels/rprop.hpp"
 #include "roundpipe/kernels/sgd.hpp"
+#include "roundpipe/kernels/stream.hpp"
 
 namespace roundpipe {
 namespace detail {
@@ -26,6 +27,7 @@ struct KernelTable {
   void (*radam)(const RAdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
   void (*rprop)(const RpropCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
   void (*sgd)(const SGDCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+  void (*stream)(const StreamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
   void (*adagrad)(const AdagradCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
   void (*rmsprop)(const RMSpropCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
 };

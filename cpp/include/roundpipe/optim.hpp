@@ -14,4 +14,5 @@
 #include "roundpipe/rmsprop.hpp"
 #include "roundpipe/rprop.hpp"
 #include "roundpipe/sgd.hpp"
+#include "roundpipe/stream.hpp"
 #include "roundpipe/threads.hpp"
