@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--data", type=pathlib.Path, default=pathlib.Path(sysconfig.get_paths()["stdlib"]),
                     help="a text file or a folder of text (default: Python's standard library)")
     ap.add_argument("--max-bytes", type=int, default=20_000_000, help="read at most this much text")
-    ap.add_argument("--steps", type=int, default=250, help="optimizer steps")
+    ap.add_argument("--steps", type=int, default=400, help="optimizer steps")
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--seq", type=int, default=128, help="bytes per sequence")
     ap.add_argument("--microbatches", type=int, default=2, help="microbatches per step")
