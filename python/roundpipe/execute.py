@@ -48,7 +48,8 @@ def run_stage(layers: list[nn.Module], first_layer: int, weights: list[LayerWeig
                 recompute.running(store, (index, microbatch), recomputing):
             torch.default_generator.manual_seed(seed)
             if cuda:
-                torch.cuda.manual_seed(seed)
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(seed)
             if index == 0:
                 args, kwargs = x
                 x = functional_call(layer, w.tensors, tuple(args), dict(kwargs))
