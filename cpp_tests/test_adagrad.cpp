@@ -1,10 +1,10 @@
 // roundpipe::adagrad_step against a float64 Adagrad written here from its definition (Duchi et
 // al., with torch.optim.Adagrad's learning-rate decay, weight decay and maximize), on every ISA,
-// every flag combination and every tail size; errors of the C++ API.
+// every flag combination and every tail size; plus several tensors per call, thread counts,
+// non-finite inputs and argument errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <vector>
 
 #include "roundpipe/adagrad.hpp"
@@ -41,7 +41,13 @@ struct RefAdagrad {
   }
 };
 
-const char* const kSlots[] = {"sum"};
+// The sum starts at the initial accumulator value options() chose.
+rptest::Host Init(const std::vector<float>& p, const AdagradOptions&) {
+  return rptest::make_host(p, {static_cast<float>(RefAdagrad::initial_accumulator_value)});
+}
+
+const rptest::Algorithm<AdagradOptions> kAdagrad = {
+    &roundpipe::adagrad_step, {"sum"}, {"step"}, &Init};
 
 // Flag bits: 1 maximize, 2 weight decay, 4 lr_decay, 8 initial accumulator value 0.5.
 AdagradOptions options(int flags) {
@@ -54,23 +60,12 @@ AdagradOptions options(int flags) {
   return o;
 }
 
-std::string describe(int flags) {
-  return std::string("maximize=") + ((flags & 1) ? "1" : "0") + " weight_decay=" +
-         ((flags & 2) ? "1" : "0") + " lr_decay=" + ((flags & 4) ? "1" : "0") +
-         " initial_accumulator_value=" + ((flags & 8) ? "0.5" : "0");
-}
-
 TEST(Adagrad, MatchesFloat64ReferenceOnEveryIsaSizeAndFlagCombination) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    for (std::size_t n : rptest::sizes())
-      for (int flags = 0; flags < 16; ++flags) {
-        if (n > 100000 && flags != 0 && flags != 15) continue;
-        SCOPED_TRACE("n=" + std::to_string(n) + " " + describe(flags));
-        const AdagradOptions o = options(flags);
-        rptest::compare_with_reference<RefAdagrad>(&roundpipe::adagrad_step, o, n, 4, {0}, {0},
-                                                   kSlots);
-      }
-  });
+  rptest::for_each_case(
+      16, {"maximize", "weight_decay=0.125", "lr_decay=0.5", "initial_accumulator_value=0.5"},
+      {0, 15}, [](std::size_t n, int flags) {
+        rptest::compare_with_reference<RefAdagrad>(kAdagrad, options(flags), n, 4, {0}, {0});
+      });
 }
 
 TEST(Adagrad, LearningRateDecaysWithTheStepCount) {
@@ -82,10 +77,8 @@ TEST(Adagrad, LearningRateDecaysWithTheStepCount) {
     o.lr_decay = 1.0;
     o.eps = 0.0;
     o.weight_decay = 0.0;
-    rptest::Host h;
-    h.param.assign(3, 0.0f);
-    h.state[0].assign(3, 0.0f);
-    h.scalar[0] = 9.0f;  // resumed after 9 steps: this one is step 10
+    auto h = rptest::make_host(std::vector<float>(3, 0.0f), {0.0f},
+                               {9.0f});  // resumed after 9 steps: this one is step 10
     const std::vector<float> g(3, 1.0f);
     const ParamBuffers t = h.view(g);
     roundpipe::adagrad_step(o, &t, 1);
@@ -96,73 +89,29 @@ TEST(Adagrad, LearningRateDecaysWithTheStepCount) {
 }
 
 TEST(Adagrad, OneCallUpdatesManyTensorsLikeSeparateCalls) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    std::mt19937 rng(7);
-    const AdagradOptions o = options(2 | 4);
-    std::vector<rptest::Host> together, apart;
-    std::vector<std::vector<float>> grads;
-    for (std::size_t n : {5, 0, 40000, 17, 16384, 3}) {
-      rptest::Host h;
-      h.param = rptest::randn(n, rng);
-      h.state[0].assign(n, 0.25f);
-      together.push_back(h);
-      apart.push_back(h);
-      grads.push_back(rptest::randn(n, rng));
-    }
-    for (int k = 0; k < 3; ++k) {
-      std::vector<ParamBuffers> ts;
-      for (std::size_t i = 0; i < together.size(); ++i) ts.push_back(together[i].view(grads[i]));
-      roundpipe::adagrad_step(o, ts.data(), ts.size());
-      for (std::size_t i = 0; i < apart.size(); ++i) {
-        const ParamBuffers t = apart[i].view(grads[i]);
-        roundpipe::adagrad_step(o, &t, 1);
-      }
-    }
-    for (std::size_t i = 0; i < together.size(); ++i) {
-      EXPECT_EQ(together[i].param, apart[i].param) << "tensor " << i;
-      EXPECT_EQ(together[i].state[0], apart[i].state[0]) << "tensor " << i;
-    }
+  rptest::expect_one_call_like_separate_calls(kAdagrad, options(2 | 4 | 8));
+}
+
+TEST(Adagrad, ThreadCountDoesNotChangeResults) {
+  rptest::expect_thread_count_does_not_change_results(kAdagrad, options(15));
+}
+
+TEST(Adagrad, NonFiniteValuesPropagate) {
+  rptest::expect_non_finite_gradients_propagate(kAdagrad, options(0), [](const rptest::Host& s) {
+    EXPECT_TRUE(std::isnan(s.state[0][1]));
+    EXPECT_TRUE(std::isinf(s.state[0][3]));
+    EXPECT_TRUE(std::isnan(s.param[3]));   // inf / inf, as in torch
+    EXPECT_GT(s.state[0][18], 0.0f);       // 1e-40: a subnormal, kept (no flush to zero)
   });
 }
 
 TEST(Adagrad, BadArgumentsThrowBeforeAnythingChanges) {
-  std::vector<float> g(4, 1.0f);
-  rptest::Host h;
-  h.param.assign(4, 1.0f);
-  h.state[0].assign(4, 0.0f);
-  ParamBuffers t = h.view(g);
-  auto expect_error = [&](AdagradOptions o, const ParamBuffers* ts, std::size_t count,
-                          const std::string& needle) {
-    try {
-      roundpipe::adagrad_step(o, ts, count);
-      ADD_FAILURE() << "no error for " << needle;
-    } catch (const roundpipe::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(h.scalar[0], 0.0f);
-    EXPECT_EQ(h.param, std::vector<float>(4, 1.0f));
-    EXPECT_EQ(h.state[0], std::vector<float>(4, 0.0f));
-  };
-  AdagradOptions o;
-  o.lr = -1;
-  expect_error(o, &t, 1, "lr");
-  o = {};
-  o.lr_decay = -0.5;
-  expect_error(o, &t, 1, "lr_decay");
-  o = {};
-  o.weight_decay = NAN;
-  expect_error(o, &t, 1, "weight_decay");
-  o = {};
-  o.eps = -1e-10;
-  expect_error(o, &t, 1, "eps");
-  o = {};
-  ParamBuffers ts[2] = {t, t};
-  ts[1].state[0] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].sum");
-  ts[1] = t;
-  ts[1].scalar[0] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].step");
-  expect_error(o, nullptr, 1, "tensors");
+  rptest::BadArguments<AdagradOptions> bad(kAdagrad, options(0));
+  bad.expect_bad_values({{&AdagradOptions::lr, -1, "lr"},
+                         {&AdagradOptions::lr_decay, -0.5, "lr_decay"},
+                         {&AdagradOptions::weight_decay, NAN, "weight_decay"},
+                         {&AdagradOptions::eps, -1e-10, "eps"}});
+  bad.expect_null_buffers_named(AdagradOptions{});
 }
 
 }  // namespace

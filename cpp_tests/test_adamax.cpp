@@ -1,13 +1,11 @@
 // roundpipe::adamax_step against a float64 Adamax written here from the paper's formulas (with
 // torch.optim.Adamax's conventions: eps inside the maximum, L2 weight decay, maximize), on every
-// ISA, every option combination and every tail size; plus non-finite inputs and argument errors.
+// ISA, every option combination and every tail size; plus several tensors per call, thread counts,
+// non-finite inputs and argument errors.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
-#include <random>
-#include <string>
 #include <vector>
 
 #include "roundpipe/adamax.hpp"
@@ -16,7 +14,6 @@
 namespace {
 
 using roundpipe::AdamaxOptions;
-using roundpipe::AdamaxState;
 using roundpipe::ParamBuffers;
 
 // Float64 Adamax (Kingma & Ba 2015, Algorithm 2), with eps added to |g| inside the maximum as
@@ -46,7 +43,12 @@ struct RefAdamax {
   }
 };
 
-const char* const kSlots[] = {"exp_avg", "exp_inf", ""};
+rptest::Host Init(const std::vector<float>& p, const AdamaxOptions&) {
+  return rptest::make_host(p, {0.0f, 0.0f});
+}
+
+const rptest::Algorithm<AdamaxOptions> kAdamax = {
+    &roundpipe::adamax_step, {"exp_avg", "exp_inf"}, {"step"}, &Init};
 
 // Bit 0: beta1 0.75 (torch's lerp from the start) or 0.25 (lerp from the end); bit 1:
 // maximize; bit 2: weight decay. Coefficients are exact in float32 (see test_adam.cpp).
@@ -61,22 +63,12 @@ AdamaxOptions options(int flags) {
   return o;
 }
 
-std::string describe(int flags) {
-  const AdamaxOptions o = options(flags);
-  return "beta1=" + std::to_string(o.beta1) + " maximize=" + std::to_string(o.maximize) +
-         " weight_decay=" + std::to_string(o.weight_decay);
-}
-
 TEST(Adamax, MatchesFloat64ReferenceOnEveryIsaSizeAndOptionCombination) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    for (std::size_t n : rptest::sizes())
-      for (int flags = 0; flags < 8; ++flags) {
-        if (n > 100000 && flags != 0 && flags != 7) continue;
-        SCOPED_TRACE("n=" + std::to_string(n) + " " + describe(flags));
-        rptest::compare_with_reference<RefAdamax>(&roundpipe::adamax_step, options(flags), n, 4,
-                                                  {0, 1}, {0}, kSlots);
-      }
-  });
+  rptest::for_each_case(8, {"beta1=0.25", "maximize", "weight_decay=0.125"}, {0, 7},
+                        [](std::size_t n, int flags) {
+                          rptest::compare_with_reference<RefAdamax>(kAdamax, options(flags), n, 4,
+                                                                    {0, 1}, {0});
+                        });
 }
 
 TEST(Adamax, EpsIsInsideTheMaximum) {
@@ -85,11 +77,8 @@ TEST(Adamax, EpsIsInsideTheMaximum) {
   // parameter does not move (exp_avg stays 0).
   rptest::for_each_isa([](roundpipe::Isa) {
     std::vector<float> g(21, 0.0f);
-    rptest::Host s;
-    s.param.assign(21, 1.0f);
-    s.state[0].assign(21, 0.0f);
-    s.state[1].assign(21, 0.0f);
     AdamaxOptions o;
+    auto s = Init(std::vector<float>(21, 1.0f), o);
     o.beta2 = 0.5;
     o.eps = 0.25;
     for (int k = 0; k < 3; ++k) {
@@ -101,82 +90,37 @@ TEST(Adamax, EpsIsInsideTheMaximum) {
   });
 }
 
+TEST(Adamax, OneCallUpdatesManyTensorsLikeSeparateCalls) {
+  rptest::expect_one_call_like_separate_calls(kAdamax, options(4));
+}
+
+TEST(Adamax, ThreadCountDoesNotChangeResults) {
+  rptest::expect_thread_count_does_not_change_results(kAdamax, options(7));
+}
+
 TEST(Adamax, NonFiniteValuesPropagate) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    const std::size_t n = 19;
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    const float inf = std::numeric_limits<float>::infinity();
-    std::vector<float> g(n, 0.5f);
-    g[1] = nan;
-    g[17] = nan;
-    g[3] = inf;
-    g[18] = 1e-20f;
-    rptest::Host s;
-    s.param.assign(n, 1.0f);
-    s.state[0].assign(n, 0.0f);
-    s.state[1].assign(n, 0.0f);
-    s.state[1][5] = nan;                  // a NaN already in exp_inf survives the maximum
-    const ParamBuffers t = s.view(g);
-    roundpipe::adamax_step(options(0), &t, 1);
-    EXPECT_EQ(s.scalar[0], 1.0f);
-    EXPECT_TRUE(std::isnan(s.param[1]));
-    EXPECT_TRUE(std::isnan(s.param[17]));
-    EXPECT_TRUE(std::isnan(s.state[1][1]));  // torch.maximum keeps the NaN of |g| + eps
-    EXPECT_TRUE(std::isnan(s.state[1][5]));
-    EXPECT_TRUE(std::isnan(s.param[5]));
-    EXPECT_TRUE(std::isinf(s.state[1][3]));
-    EXPECT_TRUE(std::isnan(s.param[3]));     // inf / inf, as in torch
-    EXPECT_GT(s.state[0][18], 0.0f);         // 2.5e-21, kept
-    EXPECT_EQ(s.param[0], s.param[16]);      // a tail element equals a vector-body element
-    EXPECT_EQ(s.state[1][0], s.state[1][16]);
-  });
+  rptest::expect_non_finite_gradients_propagate(
+      kAdamax, options(0),
+      [](rptest::Host& s) { s.state[1][5] = NAN; },  // a NaN already in exp_inf survives the max
+      [](const rptest::Host& s) {
+        EXPECT_EQ(s.scalar[0], 1.0f);
+        EXPECT_TRUE(std::isnan(s.state[1][1]));  // torch.maximum keeps the NaN of |g| + eps
+        EXPECT_TRUE(std::isnan(s.state[1][5]));
+        EXPECT_TRUE(std::isnan(s.param[5]));
+        EXPECT_TRUE(std::isinf(s.state[1][3]));
+        EXPECT_TRUE(std::isnan(s.param[3]));     // inf / inf, as in torch
+        EXPECT_GT(s.state[0][18], 0.0f);         // 2.5e-21, kept
+      });
 }
 
 TEST(Adamax, BadArgumentsThrowBeforeAnythingChanges) {
-  std::vector<float> g(4, 1.0f);
-  rptest::Host s;
-  s.param.assign(4, 1.0f);
-  s.state[0].assign(4, 0.0f);
-  s.state[1].assign(4, 0.0f);
-  ParamBuffers t = s.view(g);
-  auto expect_error = [&](AdamaxOptions o, const ParamBuffers* ts, std::size_t count,
-                          const std::string& needle) {
-    try {
-      roundpipe::adamax_step(o, ts, count);
-      ADD_FAILURE() << "no error for " << needle;
-    } catch (const roundpipe::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(s.scalar[0], 0.0f);
-    EXPECT_EQ(s.param, std::vector<float>(4, 1.0f));
-    EXPECT_EQ(s.state[1], std::vector<float>(4, 0.0f));
-  };
-  AdamaxOptions o;
-  o.lr = -1;
-  expect_error(o, &t, 1, "lr");
-  o = {};
-  o.beta1 = 1.0;
-  expect_error(o, &t, 1, "beta1");
-  o = {};
-  o.beta2 = NAN;
-  expect_error(o, &t, 1, "beta2");
-  o = {};
-  o.eps = -1e-8;
-  expect_error(o, &t, 1, "eps");
-  o = {};
-  o.weight_decay = -0.1;
-  expect_error(o, &t, 1, "weight_decay");
-  o = {};
-  ParamBuffers ts[2] = {t, t};
-  ts[1].param = nullptr;
-  expect_error(o, ts, 2, "tensors[1].param");
-  ts[1] = t;
-  ts[1].state[AdamaxState::exp_inf] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].exp_inf");
-  ts[1] = t;
-  ts[1].scalar[AdamaxState::step] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].step");
-  expect_error(o, nullptr, 1, "tensors");
+  rptest::BadArguments<AdamaxOptions> bad(kAdamax);
+  bad.expect_bad_values({{&AdamaxOptions::lr, -1, "lr"},
+                         {&AdamaxOptions::beta1, 1.0, "beta1"},
+                         {&AdamaxOptions::beta2, NAN, "beta2"},
+                         {&AdamaxOptions::eps, -1e-8, "eps"},
+                         {&AdamaxOptions::weight_decay, -0.1, "weight_decay"}});
+  bad.expect_null_buffers_named(AdamaxOptions{});
 }
 
 }  // namespace

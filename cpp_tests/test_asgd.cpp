@@ -1,13 +1,11 @@
 // roundpipe::asgd_step against a float64 ASGD written here from torch.optim.ASGD's definition
 // (Polyak-Juditsky averaging with Bottou's eta and mu schedules), on every ISA, every option
-// combination and every tail size; plus per-tensor schedules, non-finite inputs and errors.
+// combination and every tail size; plus per-tensor schedules, thread counts, non-finite inputs
+// and errors.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
-#include <random>
-#include <string>
 #include <vector>
 
 #include "roundpipe/asgd.hpp"
@@ -49,7 +47,13 @@ struct RefAsgd {
   }
 };
 
-const char* const kSlots[] = {"ax", "", ""};
+// ax starts at 0, eta at lr, mu at 1.
+rptest::Host Init(const std::vector<float>& p, const AsgdOptions& o) {
+  return rptest::make_host(p, {0.0f}, {0.0f, static_cast<float>(o.lr), 1.0f});
+}
+
+const rptest::Algorithm<AsgdOptions> kAsgd = {
+    &roundpipe::asgd_step, {"ax"}, {"step", "eta", "mu"}, &Init};
 
 // Bit 0: t0 = 1 (averaging from step 3 on: mu = 1/2, 1/3, ...) or 1e6 (ax = p throughout);
 // bit 1: maximize; bit 2: weight decay. lambd is large so the decay term matters.
@@ -64,32 +68,13 @@ AsgdOptions options(int flags) {
   return o;
 }
 
-std::string describe(int flags) {
-  const AsgdOptions o = options(flags);
-  return "t0=" + std::to_string(o.t0) + " maximize=" + std::to_string(o.maximize) +
-         " weight_decay=" + std::to_string(o.weight_decay);
-}
-
-rptest::Host State(const std::vector<float>& p, const AsgdOptions& o) {
-  rptest::Host h;
-  h.param = p;
-  h.state[AsgdState::ax].assign(p.size(), 0.0f);
-  h.scalar[AsgdState::eta] = static_cast<float>(o.lr);
-  h.scalar[AsgdState::mu] = 1.0f;
-  return h;
-}
-
 TEST(Asgd, MatchesFloat64ReferenceOnEveryIsaSizeAndOptionCombination) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    for (std::size_t n : rptest::sizes())
-      for (int flags = 0; flags < 8; ++flags) {
-        if (n > 100000 && flags != 0 && flags != 6) continue;
-        SCOPED_TRACE("n=" + std::to_string(n) + " " + describe(flags));
-        // 6 steps: with t0 = 1, steps 4-6 average with mu = 1/2, 1/3, 1/4.
-        rptest::compare_with_reference<RefAsgd>(&roundpipe::asgd_step, options(flags), n, 6,
-                                                {0}, {0, 1, 2}, kSlots);
-      }
-  });
+  rptest::for_each_case(8, {"t0=1e6", "maximize", "weight_decay=0.125"}, {0, 6},
+                        [](std::size_t n, int flags) {
+                          // 6 steps: with t0 = 1, steps 4-6 average with mu = 1/2, 1/3, 1/4.
+                          rptest::compare_with_reference<RefAsgd>(kAsgd, options(flags), n, 6,
+                                                                  {0}, {0, 1, 2});
+                        });
 }
 
 TEST(Asgd, EtaAndMuFollowTheScheduleInFloat32) {
@@ -97,7 +82,7 @@ TEST(Asgd, EtaAndMuFollowTheScheduleInFloat32) {
   // the values stored before it (eta = lr and mu = 1 on the first step).
   const AsgdOptions o = options(0);
   std::vector<float> g(3, 1.0f);
-  auto s = State({0.0f, 0.0f, 0.0f}, o);
+  auto s = Init({0.0f, 0.0f, 0.0f}, o);
   for (int k = 1; k <= 5; ++k) {
     const float eta_used = s.scalar[AsgdState::eta];
     const float mu_used = s.scalar[AsgdState::mu];
@@ -118,116 +103,42 @@ TEST(Asgd, EtaAndMuFollowTheScheduleInFloat32) {
 
 TEST(Asgd, OneCallKeepsEachTensorsOwnSchedule) {
   // Tensors joined a model at different times: each has its own step, eta and mu.
-  rptest::for_each_isa([](roundpipe::Isa) {
-    std::mt19937 rng(11);
-    const AsgdOptions o = options(4);
-    std::vector<rptest::Host> together, apart;
-    std::vector<std::vector<float>> grads;
-    int i = 0;
-    for (std::size_t n : {5, 0, 40000, 17}) {
-      auto p = rptest::randn(n, rng);
-      together.push_back(State(p, o));
-      grads.push_back(rptest::randn(n, rng));
-      for (int k = 0; k < i; ++k) {  // tensor i has taken i steps already
-        const ParamBuffers t = together.back().view(grads.back());
-        roundpipe::asgd_step(o, &t, 1);
-      }
-      apart.push_back(together.back());
-      ++i;
-    }
-    for (int k = 0; k < 3; ++k) {
-      std::vector<ParamBuffers> ts;
-      for (std::size_t j = 0; j < together.size(); ++j) ts.push_back(together[j].view(grads[j]));
-      roundpipe::asgd_step(o, ts.data(), ts.size());
-      for (std::size_t j = 0; j < apart.size(); ++j) {
-        const ParamBuffers t = apart[j].view(grads[j]);
-        roundpipe::asgd_step(o, &t, 1);
-      }
-    }
-    for (std::size_t j = 0; j < together.size(); ++j) {
-      EXPECT_EQ(together[j].param, apart[j].param) << "tensor " << j;
-      EXPECT_EQ(together[j].state[0], apart[j].state[0]) << "tensor " << j;
-      for (int k = 0; k < 3; ++k)
-        EXPECT_EQ(together[j].scalar[k], apart[j].scalar[k]) << "tensor " << j << " scalar " << k;
-      EXPECT_EQ(together[j].scalar[0], float(j + 3));
-    }
-  });
+  rptest::expect_one_call_like_separate_calls(kAsgd, options(4));
+}
+
+TEST(Asgd, ThreadCountDoesNotChangeResults) {
+  rptest::expect_thread_count_does_not_change_results(kAsgd, options(2 | 4));
 }
 
 TEST(Asgd, NonFiniteValuesPropagate) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    const std::size_t n = 19;
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    const float inf = std::numeric_limits<float>::infinity();
-    std::vector<float> g(n, 0.5f);
-    g[1] = nan;
-    g[17] = nan;
-    g[3] = inf;
-    g[18] = 1e-30f;
-    AsgdOptions o = options(0);
-    auto s = State(std::vector<float>(n, 1.0f), o);
-    s.scalar[AsgdState::mu] = 0.5f;       // averaging on
-    const ParamBuffers t = s.view(g);
-    roundpipe::asgd_step(o, &t, 1);
-    EXPECT_TRUE(std::isnan(s.param[1]));
-    EXPECT_TRUE(std::isnan(s.state[0][1]));
-    EXPECT_TRUE(std::isnan(s.param[17]));
-    EXPECT_TRUE(std::isinf(s.param[3]) && s.param[3] < 0);
-    EXPECT_TRUE(std::isinf(s.state[0][3]));
-    EXPECT_EQ(s.param[0], s.param[16]);   // a tail element equals a vector-body element
-    EXPECT_EQ(s.state[0][0], s.state[0][16]);
-    EXPECT_EQ(s.state[0][0], s.param[0] * 0.5f);
-    // With mu == 1, ax is a copy of p (torch's copy_), so a NaN or inf in ax does not survive.
-    std::fill(s.state[0].begin(), s.state[0].end(), nan);
-    s.state[0][2] = inf;
-    s.scalar[AsgdState::mu] = 1.0f;
-    std::fill(g.begin(), g.end(), 0.5f);
-    const ParamBuffers t2 = s.view(g);
-    roundpipe::asgd_step(o, &t2, 1);
-    EXPECT_EQ(s.state[0][0], s.param[0]);
-    EXPECT_EQ(s.state[0][2], s.param[2]);
-    EXPECT_EQ(s.state[0][16], s.param[16]);
-  });
+  const AsgdOptions o = options(0);
+  rptest::expect_non_finite_gradients_propagate(
+      kAsgd, o, [](rptest::Host& s) { s.scalar[AsgdState::mu] = 0.5f; },  // averaging on
+      [&](rptest::Host& s) {
+        EXPECT_TRUE(std::isnan(s.state[0][1]));
+        EXPECT_TRUE(std::isinf(s.param[3]) && s.param[3] < 0);
+        EXPECT_TRUE(std::isinf(s.state[0][3]));
+        EXPECT_EQ(s.state[0][0], s.param[0] * 0.5f);
+        // With mu == 1, ax is a copy of p (torch's copy_), so a NaN or inf in ax does not
+        // survive.
+        std::fill(s.state[0].begin(), s.state[0].end(), NAN);
+        s.state[0][2] = INFINITY;
+        s.scalar[AsgdState::mu] = 1.0f;
+        const std::vector<float> g(s.param.size(), 0.5f);
+        const ParamBuffers t = s.view(g);
+        roundpipe::asgd_step(o, &t, 1);
+        EXPECT_EQ(s.state[0][0], s.param[0]);
+        EXPECT_EQ(s.state[0][2], s.param[2]);
+        EXPECT_EQ(s.state[0][16], s.param[16]);
+      },
+      1e-30f);
 }
 
 TEST(Asgd, BadArgumentsThrowBeforeAnythingChanges) {
-  std::vector<float> g(4, 1.0f);
-  const AsgdOptions defaults;
-  auto s = State(std::vector<float>(4, 1.0f), defaults);
-  ParamBuffers t = s.view(g);
-  auto expect_error = [&](AsgdOptions o, const ParamBuffers* ts, std::size_t count,
-                          const std::string& needle) {
-    try {
-      roundpipe::asgd_step(o, ts, count);
-      ADD_FAILURE() << "no error for " << needle;
-    } catch (const roundpipe::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(s.scalar[AsgdState::step], 0.0f);
-    EXPECT_EQ(s.scalar[AsgdState::eta], static_cast<float>(defaults.lr));
-    EXPECT_EQ(s.scalar[AsgdState::mu], 1.0f);
-    EXPECT_EQ(s.param, std::vector<float>(4, 1.0f));
-    EXPECT_EQ(s.state[0], std::vector<float>(4, 0.0f));
-  };
-  AsgdOptions o;
-  o.lr = -1;
-  expect_error(o, &t, 1, "lr");
-  o = {};
-  o.weight_decay = NAN;
-  expect_error(o, &t, 1, "weight_decay");
-  o = {};
-  ParamBuffers ts[2] = {t, t};
-  ts[1].grad = nullptr;
-  expect_error(o, ts, 2, "tensors[1].grad");
-  ts[1] = t;
-  ts[1].state[AsgdState::ax] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].ax");
-  for (auto [slot, name] : {std::pair<int, const char*>{0, "step"}, {1, "eta"}, {2, "mu"}}) {
-    ts[1] = t;
-    ts[1].scalar[slot] = nullptr;
-    expect_error(o, ts, 2, std::string("tensors[1].") + name);
-  }
-  expect_error(o, nullptr, 1, "tensors");
+  rptest::BadArguments<AsgdOptions> bad(kAsgd);
+  bad.expect_bad_values({{&AsgdOptions::lr, -1, "lr"},
+                         {&AsgdOptions::weight_decay, NAN, "weight_decay"}});
+  bad.expect_null_buffers_named(AsgdOptions{});
 }
 
 }  // namespace

@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <vector>
 
 #include "roundpipe/nadam.hpp"
@@ -56,16 +55,12 @@ struct RefNAdam {
   }
 };
 
-const char* const kSlots[] = {"exp_avg", "exp_avg_sq", "unused"};
-
-rptest::Host State(const std::vector<float>& p) {
-  rptest::Host h;
-  h.param = p;
-  h.state[0].assign(p.size(), 0.0f);
-  h.state[1].assign(p.size(), 0.0f);
-  h.scalar[NAdamState::mu_product] = 1.0f;
-  return h;
+rptest::Host Init(const std::vector<float>& p, const NAdamOptions&) {
+  return rptest::make_host(p, {0.0f, 0.0f}, {0.0f, 1.0f});  // mu_product starts at 1
 }
+
+const rptest::Algorithm<NAdamOptions> kNAdam = {
+    &roundpipe::nadam_step, {"exp_avg", "exp_avg_sq"}, {"step", "mu_product"}, &Init};
 
 // Flag bits: 1 maximize, 2 weight decay, 4 decoupled weight decay, 8 fast momentum schedule.
 // Coefficients that multiply tensors are exact in float32 (see test_adam.cpp for why).
@@ -82,31 +77,21 @@ NAdamOptions options(int flags) {
   return o;
 }
 
-std::string describe(int flags) {
-  return std::string("maximize=") + ((flags & 1) ? "1" : "0") + " weight_decay=" +
-         ((flags & 2) ? "0.125" : "0") + " decoupled=" + ((flags & 4) ? "1" : "0") +
-         " momentum_decay=" + ((flags & 8) ? "0.5" : "4e-3");
-}
-
 TEST(NAdam, MatchesFloat64ReferenceOnEveryIsaSizeAndFlagCombination) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    for (std::size_t n : rptest::sizes())
-      for (int flags = 0; flags < 16; ++flags) {
-        const bool big = n > 100000;
-        if (big && flags != 15 && flags != 6) continue;
-        SCOPED_TRACE("n=" + std::to_string(n) + " " + describe(flags));
-        rptest::compare_with_reference<RefNAdam>(&roundpipe::nadam_step, options(flags), n,
-                                                 big ? 4 : 6, {0, 1}, {0, 1}, kSlots);
-      }
-  });
+  rptest::for_each_case(
+      16, {"maximize", "weight_decay=0.125", "decoupled", "momentum_decay=0.5"}, {15, 6},
+      [](std::size_t n, int flags) {
+        rptest::compare_with_reference<RefNAdam>(kNAdam, options(flags), n, n > 100000 ? 4 : 6,
+                                                 {0, 1}, {0, 1});
+      });
 }
 
 TEST(NAdam, MuProductIsAFloat32RunningProduct) {
   // torch keeps mu_product as a 0-dim float32 tensor and multiplies it in place by mu_t rounded
   // to float32: the stored value is that float32 product, step after step.
   std::vector<float> g(3, 0.5f);
-  auto s = State(std::vector<float>(3, 1.0f));
   const NAdamOptions o = options(8);
+  auto s = Init(std::vector<float>(3, 1.0f), o);
   float expect = 1.0f;
   for (int t = 1; t <= 40; ++t) {
     const ParamBuffers b = s.view(g);
@@ -119,124 +104,31 @@ TEST(NAdam, MuProductIsAFloat32RunningProduct) {
 
 TEST(NAdam, OneCallUpdatesTensorsAtDifferentStepsLikeSeparateCalls) {
   // Each tensor's own step and mu_product drive its coefficients.
-  rptest::for_each_isa([](roundpipe::Isa) {
-    std::mt19937 rng(7);
-    const NAdamOptions o = options(2 | 8);
-    std::vector<rptest::Host> together, apart;
-    std::vector<std::vector<float>> grads;
-    int k = 0;
-    for (std::size_t n : {5, 0, 40000, 17, 16384, 3}) {
-      auto p = rptest::randn(n, rng);
-      together.push_back(State(p));
-      together.back().scalar[NAdamState::step] = float(3 * k);
-      together.back().scalar[NAdamState::mu_product] = 1.0f - 0.1f * k++;
-      apart.push_back(together.back());
-      grads.push_back(rptest::randn(n, rng));
-    }
-    for (int step = 0; step < 3; ++step) {
-      std::vector<ParamBuffers> ts;
-      for (std::size_t i = 0; i < together.size(); ++i) ts.push_back(together[i].view(grads[i]));
-      roundpipe::nadam_step(o, ts.data(), ts.size());
-      for (std::size_t i = 0; i < apart.size(); ++i) {
-        const ParamBuffers t = apart[i].view(grads[i]);
-        roundpipe::nadam_step(o, &t, 1);
-      }
-    }
-    for (std::size_t i = 0; i < together.size(); ++i) {
-      EXPECT_EQ(together[i].param, apart[i].param) << "tensor " << i;
-      EXPECT_EQ(together[i].state[0], apart[i].state[0]) << "tensor " << i;
-      EXPECT_EQ(together[i].state[1], apart[i].state[1]) << "tensor " << i;
-      EXPECT_EQ(together[i].scalar[1], apart[i].scalar[1]) << "tensor " << i;
-    }
-  });
+  rptest::expect_one_call_like_separate_calls(kNAdam, options(2 | 8));
 }
 
 TEST(NAdam, ThreadCountDoesNotChangeResults) {
-  const int before = roundpipe::num_threads();
-  std::mt19937 rng(3);
-  const auto p0 = rptest::randn(200003, rng), g = rptest::randn(200003, rng);
-  std::vector<std::vector<float>> results;
-  for (int threads : {1, 2, 3}) {
-    roundpipe::set_num_threads(threads);
-    auto s = State(p0);
-    for (int k = 0; k < 2; ++k) {
-      const ParamBuffers t = s.view(g);
-      roundpipe::nadam_step(options(15), &t, 1);
-    }
-    results.push_back(s.param);
-  }
-  roundpipe::set_num_threads(before);
-  EXPECT_EQ(results[0], results[1]);
-  EXPECT_EQ(results[0], results[2]);
+  rptest::expect_thread_count_does_not_change_results(kNAdam, options(15));
 }
 
 TEST(NAdam, NonFiniteValuesPropagate) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    const float inf = INFINITY, nan = NAN;
-    const std::size_t n = 19;
-    std::vector<float> g(n, 0.5f);
-    g[1] = nan;
-    g[17] = nan;
-    g[3] = inf;
-    g[18] = 1e-20f;
-    auto s = State(std::vector<float>(n, 1.0f));
-    const ParamBuffers t = s.view(g);
-    roundpipe::nadam_step(options(0), &t, 1);
-    EXPECT_TRUE(std::isnan(s.param[1]));
-    EXPECT_TRUE(std::isnan(s.param[17]));
+  rptest::expect_non_finite_gradients_propagate(kNAdam, options(0), [](const rptest::Host& s) {
     EXPECT_TRUE(std::isnan(s.state[0][17]));
     EXPECT_TRUE(std::isinf(s.state[1][3]));
     EXPECT_TRUE(std::isnan(s.param[3]));          // inf / inf, as in torch
     EXPECT_GT(s.state[1][18], 0.0f);              // a subnormal, kept (no flush to zero)
-    EXPECT_EQ(s.param[0], s.param[16]);           // a tail element equals a vector-body element
   });
 }
 
 TEST(NAdam, BadArgumentsThrowBeforeAnythingChanges) {
-  std::vector<float> g(4, 1.0f);
-  auto s = State(std::vector<float>(4, 1.0f));
-  ParamBuffers t = s.view(g);
-  auto expect_error = [&](NAdamOptions o, const ParamBuffers* ts, std::size_t count,
-                          const std::string& needle) {
-    try {
-      roundpipe::nadam_step(o, ts, count);
-      ADD_FAILURE() << "no error for " << needle;
-    } catch (const roundpipe::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(s.scalar[0], 0.0f);
-    EXPECT_EQ(s.scalar[1], 1.0f);
-    EXPECT_EQ(s.param, std::vector<float>(4, 1.0f));
-  };
-  NAdamOptions o;
-  o.lr = -1;
-  expect_error(o, &t, 1, "lr");
-  o = {};
-  o.beta1 = 1.0;
-  expect_error(o, &t, 1, "beta1");
-  o = {};
-  o.beta2 = NAN;
-  expect_error(o, &t, 1, "beta2");
-  o = {};
-  o.eps = -1e-8;
-  expect_error(o, &t, 1, "eps");
-  o = {};
-  o.weight_decay = -0.1;
-  expect_error(o, &t, 1, "weight_decay");
-  o = {};
-  o.momentum_decay = -4e-3;
-  expect_error(o, &t, 1, "momentum_decay");
-  o = {};
-  ParamBuffers ts[2] = {t, t};
-  ts[1].grad = nullptr;
-  expect_error(o, ts, 2, "tensors[1].grad");
-  ts[1] = t;
-  ts[1].state[NAdamState::exp_avg_sq] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].exp_avg_sq");
-  ts[1] = t;
-  ts[1].scalar[NAdamState::mu_product] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].mu_product");
-  expect_error(o, nullptr, 1, "tensors");
+  rptest::BadArguments<NAdamOptions> bad(kNAdam);
+  bad.expect_bad_values({{&NAdamOptions::lr, -1, "lr"},
+                         {&NAdamOptions::beta1, 1.0, "beta1"},
+                         {&NAdamOptions::beta2, NAN, "beta2"},
+                         {&NAdamOptions::eps, -1e-8, "eps"},
+                         {&NAdamOptions::weight_decay, -0.1, "weight_decay"},
+                         {&NAdamOptions::momentum_decay, -4e-3, "momentum_decay"}});
+  bad.expect_null_buffers_named(NAdamOptions{});
 }
 
 }  // namespace

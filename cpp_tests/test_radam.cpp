@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <vector>
 
 #include "roundpipe/radam.hpp"
@@ -63,15 +62,12 @@ struct RefRAdam {
   }
 };
 
-const char* const kSlots[] = {"exp_avg", "exp_avg_sq", "unused"};
-
-rptest::Host State(const std::vector<float>& p) {
-  rptest::Host h;
-  h.param = p;
-  h.state[0].assign(p.size(), 0.0f);
-  h.state[1].assign(p.size(), 0.0f);
-  return h;
+rptest::Host Init(const std::vector<float>& p, const RAdamOptions&) {
+  return rptest::make_host(p, {0.0f, 0.0f});
 }
+
+const rptest::Algorithm<RAdamOptions> kRAdam = {
+    &roundpipe::radam_step, {"exp_avg", "exp_avg_sq"}, {"step"}, &Init};
 
 // beta2 values and where the rectified branch starts: step 6, step 10 (rho_inf = 5.67, a small
 // r_t), never (rho_inf = 3).
@@ -91,12 +87,6 @@ RAdamOptions options(int flags, double beta2) {
   return o;
 }
 
-std::string describe(int flags, double beta2) {
-  return std::string("maximize=") + ((flags & 1) ? "1" : "0") + " weight_decay=" +
-         ((flags & 2) ? "0.125" : "0") + " decoupled=" + ((flags & 4) ? "1" : "0") +
-         " beta2=" + std::to_string(beta2);
-}
-
 TEST(RAdam, ReferenceTakesBothBranches) {
   std::vector<float> p(1, 1.0f), g(1, 1.0f);
   int expect[] = {7, 3, 0};  // rectified steps among the 12 steps of the sweep below
@@ -108,92 +98,45 @@ TEST(RAdam, ReferenceTakesBothBranches) {
 }
 
 TEST(RAdam, MatchesFloat64ReferenceOnEveryIsaSizeAndFlagCombination) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    for (std::size_t n : rptest::sizes())
-      for (double beta2 : kBeta2)
-        for (int flags = 0; flags < 8; ++flags) {
-          // The multi-million size: one combination, through step 7 (rectified from step 6).
-          const bool big = n > 100000;
-          if (big && (beta2 != kBeta2[0] || flags != 7)) continue;
-          SCOPED_TRACE("n=" + std::to_string(n) + " " + describe(flags, beta2));
-          rptest::compare_with_reference<RefRAdam>(&roundpipe::radam_step, options(flags, beta2),
-                                                   n, big ? 7 : 12, {0, 1}, {0}, kSlots);
-        }
-  });
+  rptest::for_each_case(8, {"maximize", "weight_decay=0.125", "decoupled"}, {7},
+                        [](std::size_t n, int flags) {
+                          for (double beta2 : kBeta2) {
+                            // The multi-million size: one combination, through step 7
+                            // (rectified from step 6).
+                            const bool big = n > 100000;
+                            if (big && beta2 != kBeta2[0]) continue;
+                            SCOPED_TRACE("beta2=" + std::to_string(beta2));
+                            rptest::compare_with_reference<RefRAdam>(
+                                kRAdam, options(flags, beta2), n, big ? 7 : 12, {0, 1}, {0});
+                          }
+                        });
 }
 
 TEST(RAdam, OneCallUpdatesTensorsAtDifferentStepsLikeSeparateCalls) {
-  // Tensors on both sides of the rectification threshold in one call.
-  rptest::for_each_isa([](roundpipe::Isa) {
-    std::mt19937 rng(7);
-    const RAdamOptions o = options(2, kBeta2[0]);
-    std::vector<rptest::Host> together, apart;
-    std::vector<std::vector<float>> grads;
-    int k = 0;
-    for (std::size_t n : {5, 0, 40000, 17, 16384, 3}) {
-      together.push_back(State(rptest::randn(n, rng)));
-      together.back().scalar[RAdamState::step] = float(2 * k++);
-      apart.push_back(together.back());
-      grads.push_back(rptest::randn(n, rng));
-    }
-    for (int step = 0; step < 3; ++step) {
-      std::vector<ParamBuffers> ts;
-      for (std::size_t i = 0; i < together.size(); ++i) ts.push_back(together[i].view(grads[i]));
-      roundpipe::radam_step(o, ts.data(), ts.size());
-      for (std::size_t i = 0; i < apart.size(); ++i) {
-        const ParamBuffers t = apart[i].view(grads[i]);
-        roundpipe::radam_step(o, &t, 1);
-      }
-    }
-    for (std::size_t i = 0; i < together.size(); ++i) {
-      EXPECT_EQ(together[i].param, apart[i].param) << "tensor " << i;
-      EXPECT_EQ(together[i].state[1], apart[i].state[1]) << "tensor " << i;
-    }
-  });
+  // Tensors on both sides of the rectification threshold (step 6) in one call: tensor i takes
+  // steps i + 1 to i + 4.
+  rptest::expect_one_call_like_separate_calls(kRAdam, options(2, kBeta2[0]));
 }
 
 TEST(RAdam, ThreadCountDoesNotChangeResults) {
-  const int before = roundpipe::num_threads();
-  std::mt19937 rng(3);
-  const auto p0 = rptest::randn(200003, rng), g = rptest::randn(200003, rng);
-  std::vector<std::vector<float>> results;
-  for (int threads : {1, 2, 3}) {
-    roundpipe::set_num_threads(threads);
-    auto s = State(p0);
-    for (int k = 0; k < 7; ++k) {
-      const ParamBuffers t = s.view(g);
-      roundpipe::radam_step(options(7, kBeta2[0]), &t, 1);
-    }
-    results.push_back(s.param);
-  }
-  roundpipe::set_num_threads(before);
-  EXPECT_EQ(results[0], results[1]);
-  EXPECT_EQ(results[0], results[2]);
+  // 7 steps: rectified from step 6.
+  rptest::expect_thread_count_does_not_change_results(kRAdam, options(7, kBeta2[0]), 7);
 }
 
 TEST(RAdam, NonFiniteValuesPropagate) {
+  // Step 1: not rectified.
+  rptest::expect_non_finite_gradients_propagate(
+      kRAdam, options(0, kBeta2[0]), [](const rptest::Host& s) {
+        EXPECT_EQ(s.param[3], -INFINITY);            // p - lr * m_hat, m_hat = inf
+        EXPECT_TRUE(std::isinf(s.state[1][3]));
+        EXPECT_GT(s.state[1][18], 0.0f);             // a subnormal, kept (no flush to zero)
+      });
   rptest::for_each_isa([](roundpipe::Isa) {
-    const float inf = INFINITY, nan = NAN;
-    const std::size_t n = 19;
-    std::vector<float> g(n, 0.5f);
-    g[1] = nan;
-    g[17] = nan;
-    g[3] = inf;
-    g[18] = 1e-20f;
-    auto s = State(std::vector<float>(n, 1.0f));
-    ParamBuffers t = s.view(g);
-    roundpipe::radam_step(options(0, kBeta2[0]), &t, 1);  // step 1: not rectified
-    EXPECT_TRUE(std::isnan(s.param[1]));
-    EXPECT_TRUE(std::isnan(s.param[17]));
-    EXPECT_EQ(s.param[3], -inf);                 // p - lr * m_hat, m_hat = inf
-    EXPECT_TRUE(std::isinf(s.state[1][3]));
-    EXPECT_GT(s.state[1][18], 0.0f);             // a subnormal, kept (no flush to zero)
-    EXPECT_EQ(s.param[0], s.param[16]);          // a tail element equals a vector-body element
-    g.assign(n, 0.5f);
-    g[3] = inf;
-    auto r = State(std::vector<float>(n, 1.0f));
+    std::vector<float> g(19, 0.5f);
+    g[3] = INFINITY;
+    auto r = Init(std::vector<float>(19, 1.0f), {});
     r.scalar[RAdamState::step] = 10.0f;           // step 11: rectified
-    t = r.view(g);
+    const ParamBuffers t = r.view(g);
     roundpipe::radam_step(options(0, kBeta2[0]), &t, 1);
     EXPECT_TRUE(std::isnan(r.param[3]));          // inf * (1 / inf) = inf * 0, as in torch
     EXPECT_TRUE(std::isfinite(r.param[0]));
@@ -202,46 +145,13 @@ TEST(RAdam, NonFiniteValuesPropagate) {
 }
 
 TEST(RAdam, BadArgumentsThrowBeforeAnythingChanges) {
-  std::vector<float> g(4, 1.0f);
-  auto s = State(std::vector<float>(4, 1.0f));
-  ParamBuffers t = s.view(g);
-  auto expect_error = [&](RAdamOptions o, const ParamBuffers* ts, std::size_t count,
-                          const std::string& needle) {
-    try {
-      roundpipe::radam_step(o, ts, count);
-      ADD_FAILURE() << "no error for " << needle;
-    } catch (const roundpipe::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(s.scalar[0], 0.0f);
-    EXPECT_EQ(s.param, std::vector<float>(4, 1.0f));
-  };
-  RAdamOptions o;
-  o.lr = NAN;
-  expect_error(o, &t, 1, "lr");
-  o = {};
-  o.beta1 = -0.1;
-  expect_error(o, &t, 1, "beta1");
-  o = {};
-  o.beta2 = 1.0;
-  expect_error(o, &t, 1, "beta2");
-  o = {};
-  o.eps = -1e-8;
-  expect_error(o, &t, 1, "eps");
-  o = {};
-  o.weight_decay = -0.1;
-  expect_error(o, &t, 1, "weight_decay");
-  o = {};
-  ParamBuffers ts[2] = {t, t};
-  ts[1].param = nullptr;
-  expect_error(o, ts, 2, "tensors[1].param");
-  ts[1] = t;
-  ts[1].state[RAdamState::exp_avg] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].exp_avg");
-  ts[1] = t;
-  ts[1].scalar[RAdamState::step] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].step");
-  expect_error(o, nullptr, 1, "tensors");
+  rptest::BadArguments<RAdamOptions> bad(kRAdam);
+  bad.expect_bad_values({{&RAdamOptions::lr, NAN, "lr"},
+                         {&RAdamOptions::beta1, -0.1, "beta1"},
+                         {&RAdamOptions::beta2, 1.0, "beta2"},
+                         {&RAdamOptions::eps, -1e-8, "eps"},
+                         {&RAdamOptions::weight_decay, -0.1, "weight_decay"}});
+  bad.expect_null_buffers_named(RAdamOptions{});
 }
 
 }  // namespace

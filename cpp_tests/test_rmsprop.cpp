@@ -1,11 +1,11 @@
 // roundpipe::rmsprop_step against a float64 RMSprop written here from its definition (Hinton's
 // RMSprop, Graves' centered variant, with torch.optim.RMSprop's conventions for eps, momentum,
 // weight decay and maximize), on every ISA, every flag combination and every tail size; the
-// negative centered variance; errors of the C++ API.
+// negative centered variance; several tensors per call, thread counts, non-finite inputs and
+// argument errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <vector>
 
 #include "roundpipe/rmsprop.hpp"
@@ -50,7 +50,12 @@ struct RefRMSprop {
   }
 };
 
-const char* const kSlots[] = {"square_avg", "momentum_buffer", "grad_avg"};
+rptest::Host Init(const std::vector<float>& p, const RMSpropOptions&) {
+  return rptest::make_host(p, {0.0f, 0.0f, 0.0f});
+}
+
+const rptest::Algorithm<RMSpropOptions> kRMSprop = {
+    &roundpipe::rmsprop_step, {"square_avg", "momentum_buffer", "grad_avg"}, {"step"}, &Init};
 
 // Flag bits: 1 centered, 2 momentum, 4 weight decay, 8 maximize, 16 alpha >= 0.5 (lerp from
 // the end: 1 - alpha = 0.125) instead of alpha = 0.25 (1 - alpha = 0.75 > 0.5: lerp from the
@@ -67,26 +72,16 @@ RMSpropOptions options(int flags) {
   return o;
 }
 
-std::string describe(int flags) {
-  return std::string("centered=") + ((flags & 1) ? "1" : "0") + " momentum=" +
-         ((flags & 2) ? "1" : "0") + " weight_decay=" + ((flags & 4) ? "1" : "0") +
-         " maximize=" + ((flags & 8) ? "1" : "0") + " alpha=" + ((flags & 16) ? "0.875" : "0.25");
-}
-
 TEST(RMSprop, MatchesFloat64ReferenceOnEveryIsaSizeAndFlagCombination) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    for (std::size_t n : rptest::sizes())
-      for (int flags = 0; flags < 32; ++flags) {
-        if (n > 100000 && flags != 16 && flags != 31 && flags != 1 + 2 + 16) continue;
-        SCOPED_TRACE("n=" + std::to_string(n) + " " + describe(flags));
+  rptest::for_each_case(
+      32, {"centered", "momentum=0.75", "weight_decay=0.125", "maximize", "alpha=0.875"},
+      {16, 31, 1 + 2 + 16}, [](std::size_t n, int flags) {
         const RMSpropOptions o = options(flags);
         std::vector<int> slots = {0};
         if (o.momentum > 0) slots.push_back(1);
         if (o.centered) slots.push_back(2);
-        rptest::compare_with_reference<RefRMSprop>(&roundpipe::rmsprop_step, o, n, 4, slots, {0},
-                                                   kSlots);
-      }
-  });
+        rptest::compare_with_reference<RefRMSprop>(kRMSprop, o, n, 4, slots, {0});
+      });
 }
 
 TEST(RMSprop, NegativeCenteredVarianceGivesNaNAsTorch) {
@@ -95,10 +90,7 @@ TEST(RMSprop, NegativeCenteredVarianceGivesNaNAsTorch) {
   rptest::for_each_isa([](roundpipe::Isa) {
     RMSpropOptions o = options(1 | 16);
     const std::size_t n = 19;
-    rptest::Host h;
-    h.param.assign(n, 1.0f);
-    h.state[0].assign(n, 0.0f);
-    h.state[2].assign(n, 1.0f);
+    auto h = rptest::make_host(std::vector<float>(n, 1.0f), {0.0f, 0.0f, 1.0f});
     std::vector<float> g(n, 0.0f);
     g[3] = 2.0f;  // variance 0.125 * 4 - (0.875 + 0.25)^2 < 0 as well
     const ParamBuffers t = h.view(g);
@@ -109,86 +101,36 @@ TEST(RMSprop, NegativeCenteredVarianceGivesNaNAsTorch) {
 }
 
 TEST(RMSprop, OneCallUpdatesManyTensorsLikeSeparateCalls) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    std::mt19937 rng(7);
-    const RMSpropOptions o = options(1 | 2 | 4 | 16);
-    std::vector<rptest::Host> together, apart;
-    std::vector<std::vector<float>> grads;
-    for (std::size_t n : {5, 0, 40000, 17, 16384, 3}) {
-      rptest::Host h;
-      h.param = rptest::randn(n, rng);
-      for (auto& s : h.state) s.assign(n, 0.0f);
-      together.push_back(h);
-      apart.push_back(h);
-      grads.push_back(rptest::randn(n, rng));
-    }
-    for (int k = 0; k < 3; ++k) {
-      std::vector<ParamBuffers> ts;
-      for (std::size_t i = 0; i < together.size(); ++i) ts.push_back(together[i].view(grads[i]));
-      roundpipe::rmsprop_step(o, ts.data(), ts.size());
-      for (std::size_t i = 0; i < apart.size(); ++i) {
-        const ParamBuffers t = apart[i].view(grads[i]);
-        roundpipe::rmsprop_step(o, &t, 1);
-      }
-    }
-    for (std::size_t i = 0; i < together.size(); ++i) {
-      EXPECT_EQ(together[i].param, apart[i].param) << "tensor " << i;
-      for (int k = 0; k < 3; ++k) EXPECT_EQ(together[i].state[k], apart[i].state[k]) << i;
-    }
-  });
+  rptest::expect_one_call_like_separate_calls(kRMSprop, options(1 | 2 | 4 | 16));
+}
+
+TEST(RMSprop, ThreadCountDoesNotChangeResults) {
+  rptest::expect_thread_count_does_not_change_results(kRMSprop, options(31));
+}
+
+TEST(RMSprop, NonFiniteValuesPropagate) {
+  rptest::expect_non_finite_gradients_propagate(
+      kRMSprop, options(1 | 2 | 16), [](const rptest::Host& s) {
+        EXPECT_TRUE(std::isnan(s.state[0][1]));
+        EXPECT_TRUE(std::isnan(s.state[1][17]));
+        EXPECT_TRUE(std::isnan(s.state[2][17]));
+        EXPECT_TRUE(std::isinf(s.state[0][3]));
+        EXPECT_TRUE(std::isnan(s.param[3]));   // inf - inf under the square root, as in torch
+        EXPECT_GT(s.state[0][18], 0.0f);       // 1.25e-41: a subnormal, kept (no flush to zero)
+      });
 }
 
 TEST(RMSprop, BadArgumentsThrowBeforeAnythingChanges) {
-  std::vector<float> g(4, 1.0f);
-  rptest::Host h;
-  h.param.assign(4, 1.0f);
-  for (auto& s : h.state) s.assign(4, 0.0f);
-  ParamBuffers t = h.view(g);
-  auto expect_error = [&](RMSpropOptions o, const ParamBuffers* ts, std::size_t count,
-                          const std::string& needle) {
-    try {
-      roundpipe::rmsprop_step(o, ts, count);
-      ADD_FAILURE() << "no error for " << needle;
-    } catch (const roundpipe::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(h.scalar[0], 0.0f);
-    EXPECT_EQ(h.param, std::vector<float>(4, 1.0f));
-    EXPECT_EQ(h.state[0], std::vector<float>(4, 0.0f));
-  };
+  rptest::BadArguments<RMSpropOptions> bad(kRMSprop);
+  bad.expect_bad_values({{&RMSpropOptions::lr, -1, "lr"},
+                         {&RMSpropOptions::alpha, -0.1, "alpha"},
+                         {&RMSpropOptions::eps, NAN, "eps"},
+                         {&RMSpropOptions::weight_decay, -1, "weight_decay"},
+                         {&RMSpropOptions::momentum, -0.5, "momentum"}});
   RMSpropOptions o;
-  o.lr = -1;
-  expect_error(o, &t, 1, "lr");
-  o = {};
-  o.alpha = -0.1;
-  expect_error(o, &t, 1, "alpha");
-  o = {};
-  o.eps = NAN;
-  expect_error(o, &t, 1, "eps");
-  o = {};
-  o.weight_decay = -1;
-  expect_error(o, &t, 1, "weight_decay");
-  o = {};
-  o.momentum = -0.5;
-  expect_error(o, &t, 1, "momentum");
-  o = {};
-  ParamBuffers ts[2] = {t, t};
-  ts[1].state[0] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].square_avg");
-  ts[1] = t;
-  ts[1].state[1] = nullptr;
-  o.momentum = 0.5;
-  expect_error(o, ts, 2, "tensors[1].momentum_buffer");
-  o = {};
-  ts[1] = t;
-  ts[1].state[2] = nullptr;
-  o.centered = true;
-  expect_error(o, ts, 2, "tensors[1].grad_avg");
-  o = {};
-  ts[1] = t;
-  ts[1].scalar[0] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].step");
-  expect_error(o, nullptr, 1, "tensors");
+  o.momentum = 0.5;   // momentum_buffer required
+  o.centered = true;  // grad_avg required
+  bad.expect_null_buffers_named(o);
 }
 
 }  // namespace

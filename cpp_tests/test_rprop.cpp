@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 #include <vector>
 
 #include "roundpipe/rprop.hpp"
@@ -60,15 +59,13 @@ struct RefRprop {
   }
 };
 
-const char* const kSlots[] = {"prev", "step_size", "unused"};
-
-rptest::Host State(const std::vector<float>& p, float lr = 1e-2f) {
-  rptest::Host h;
-  h.param = p;
-  h.state[RpropState::prev].assign(p.size(), 0.0f);
-  h.state[RpropState::step_size].assign(p.size(), lr);
-  return h;
+// prev starts at 0, step_size at lr (rounded to float32, as torch.full_like(grad, lr)).
+rptest::Host Init(const std::vector<float>& p, const RpropOptions& o) {
+  return rptest::make_host(p, {0.0f, static_cast<float>(o.lr)});
 }
+
+const rptest::Algorithm<RpropOptions> kRprop = {
+    &roundpipe::rprop_step, {"prev", "step_size"}, {"step"}, &Init};
 
 // Flag bits: 1 maximize, 2 other etas, 4 tight step sizes (both clamps hit within a few
 // steps), 8 step_size_max below step_size_min.
@@ -91,12 +88,6 @@ RpropOptions options(int flags) {
   return o;
 }
 
-std::string describe(int flags) {
-  return std::string("maximize=") + ((flags & 1) ? "1" : "0") + " etas=" +
-         ((flags & 2) ? "(0.25, 2)" : "(0.5, 1.2)") + " step_sizes=" +
-         ((flags & 8) ? "(0.02, 0.01)" : (flags & 4) ? "(2e-3, 1.5e-2)" : "(1e-6, 50)");
-}
-
 TEST(Rprop, ReferenceGrowsShrinksAndClamps) {
   std::mt19937 rng(1);
   const auto p = rptest::randn(1000, rng);
@@ -108,17 +99,12 @@ TEST(Rprop, ReferenceGrowsShrinksAndClamps) {
 }
 
 TEST(Rprop, MatchesFloat64ReferenceOnEveryIsaSizeAndFlagCombination) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    for (std::size_t n : rptest::sizes())
-      for (int flags = 0; flags < 12; ++flags) {
-        const bool big = n > 100000;
-        if (big && flags != 7) continue;
-        SCOPED_TRACE("n=" + std::to_string(n) + " " + describe(flags));
-        rptest::compare_with_reference<RefRprop>(&roundpipe::rprop_step, options(flags), n,
-                                                 big ? 5 : 8,
-                                                 {0, 1}, {0}, kSlots);
-      }
-  });
+  rptest::for_each_case(
+      12, {"maximize", "etas=(0.25, 2)", "step_sizes=(2e-3, 1.5e-2)", "step_sizes=(0.02, 0.01)"},
+      {7}, [](std::size_t n, int flags) {
+        rptest::compare_with_reference<RefRprop>(kRprop, options(flags), n, n > 100000 ? 5 : 8,
+                                                 {0, 1}, {0});
+      });
 }
 
 TEST(Rprop, InitStateFillsStepSizeWithLr) {
@@ -149,52 +135,11 @@ TEST(Rprop, InitStateFillsStepSizeWithLr) {
 }
 
 TEST(Rprop, OneCallUpdatesManyTensorsLikeSeparateCalls) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    std::mt19937 rng(7);
-    const RpropOptions o = options(4);
-    std::vector<rptest::Host> together, apart;
-    for (std::size_t n : {5, 0, 40000, 17, 16384, 3}) {
-      together.push_back(State(rptest::randn(n, rng)));
-      apart.push_back(together.back());
-    }
-    for (int step = 0; step < 4; ++step) {
-      std::vector<std::vector<float>> grads;
-      for (auto& h : together) grads.push_back(rptest::randn(h.param.size(), rng));
-      std::vector<ParamBuffers> ts;
-      for (std::size_t i = 0; i < together.size(); ++i) ts.push_back(together[i].view(grads[i]));
-      roundpipe::rprop_step(o, ts.data(), ts.size());
-      for (std::size_t i = 0; i < apart.size(); ++i) {
-        const ParamBuffers t = apart[i].view(grads[i]);
-        roundpipe::rprop_step(o, &t, 1);
-      }
-    }
-    for (std::size_t i = 0; i < together.size(); ++i) {
-      EXPECT_EQ(together[i].param, apart[i].param) << "tensor " << i;
-      EXPECT_EQ(together[i].state[1], apart[i].state[1]) << "tensor " << i;
-      EXPECT_EQ(together[i].scalar[0], 4.0f) << "tensor " << i;
-    }
-  });
+  rptest::expect_one_call_like_separate_calls(kRprop, options(4));
 }
 
 TEST(Rprop, ThreadCountDoesNotChangeResults) {
-  const int before = roundpipe::num_threads();
-  std::mt19937 rng(3);
-  const auto p0 = rptest::randn(200003, rng);
-  std::vector<std::vector<float>> grads;
-  for (int k = 0; k < 3; ++k) grads.push_back(rptest::randn(200003, rng));
-  std::vector<std::vector<float>> results;
-  for (int threads : {1, 2, 3}) {
-    roundpipe::set_num_threads(threads);
-    auto s = State(p0);
-    for (const auto& g : grads) {
-      const ParamBuffers t = s.view(g);
-      roundpipe::rprop_step(options(4), &t, 1);
-    }
-    results.push_back(s.param);
-  }
-  roundpipe::set_num_threads(before);
-  EXPECT_EQ(results[0], results[1]);
-  EXPECT_EQ(results[0], results[2]);
+  rptest::expect_thread_count_does_not_change_results(kRprop, options(4));
 }
 
 // torch.optim.Rprop's element-wise rules at the edges, on every ISA, in the vector body and in
@@ -231,7 +176,9 @@ TEST(Rprop, ZeroNanAndInfinityFollowTorch) {
   o.step_size_max = 64.0;
   rptest::for_each_isa([&](roundpipe::Isa) {
     const std::size_t n = 16 + k;
-    auto h = State(std::vector<float>(n, 1.0f), lr);
+    RpropOptions start;
+    start.lr = lr;
+    auto h = Init(std::vector<float>(n, 1.0f), start);
     std::vector<float> g(n, 0.0f);
     for (std::size_t i = 0; i < k; ++i)
       for (std::size_t at : {i, 16 + i}) {
@@ -255,46 +202,15 @@ TEST(Rprop, ZeroNanAndInfinityFollowTorch) {
 }
 
 TEST(Rprop, BadArgumentsThrowBeforeAnythingChanges) {
-  std::vector<float> g(4, 1.0f);
-  auto s = State(std::vector<float>(4, 1.0f));
-  ParamBuffers t = s.view(g);
-  auto expect_error = [&](RpropOptions o, const ParamBuffers* ts, std::size_t count,
-                          const std::string& needle) {
-    try {
-      roundpipe::rprop_step(o, ts, count);
-      ADD_FAILURE() << "no error for " << needle;
-    } catch (const roundpipe::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(s.scalar[0], 0.0f);
-    EXPECT_EQ(s.param, std::vector<float>(4, 1.0f));
-    EXPECT_EQ(s.state[RpropState::step_size], std::vector<float>(4, 1e-2f));
-  };
-  RpropOptions o;
-  for (double bad : {0.0, 1.0, -0.5, double(NAN)}) {
-    o = {};
-    o.etaminus = bad;
-    expect_error(o, &t, 1, "etaminus");
-  }
-  for (double bad : {1.0, 0.5, double(NAN)}) {
-    o = {};
-    o.etaplus = bad;
-    expect_error(o, &t, 1, "etaplus");
-  }
-  o = {};
-  ParamBuffers ts[2] = {t, t};
-  ts[1].grad = nullptr;
-  expect_error(o, ts, 2, "tensors[1].grad");
-  ts[1] = t;
-  ts[1].state[RpropState::prev] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].prev");
-  ts[1] = t;
-  ts[1].state[RpropState::step_size] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].step_size");
-  ts[1] = t;
-  ts[1].scalar[RpropState::step] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].step");
-  expect_error(o, nullptr, 1, "tensors");
+  rptest::BadArguments<RpropOptions> bad(kRprop);
+  bad.expect_bad_values({{&RpropOptions::etaminus, 0.0, "etaminus"},
+                         {&RpropOptions::etaminus, 1.0, "etaminus"},
+                         {&RpropOptions::etaminus, -0.5, "etaminus"},
+                         {&RpropOptions::etaminus, NAN, "etaminus"},
+                         {&RpropOptions::etaplus, 1.0, "etaplus"},
+                         {&RpropOptions::etaplus, 0.5, "etaplus"},
+                         {&RpropOptions::etaplus, NAN, "etaplus"}});
+  bad.expect_null_buffers_named(RpropOptions{});
 }
 
 }  // namespace

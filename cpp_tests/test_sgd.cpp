@@ -1,7 +1,8 @@
 // roundpipe::sgd_step against a float64 SGD written here from its definition (heavy-ball
 // momentum with dampening, Sutskever et al.'s Nesterov form, with torch.optim.SGD's conventions
 // for weight decay, maximize and the first momentum step), on every ISA, every valid flag
-// combination and every tail size; the momentum-buffer flag; errors of the C++ API.
+// combination and every tail size; the momentum-buffer flag; several tensors per call, thread
+// counts, non-finite inputs and argument errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -45,7 +46,13 @@ struct RefSGD {
   }
 };
 
-const char* const kSlots[] = {"momentum_buffer"};
+// The momentum buffer holds no value yet (NaN: the step must not read it), its flag says so.
+rptest::Host Init(const std::vector<float>& p, const SGDOptions&) {
+  return rptest::make_host(p, {NAN}, {0.0f});
+}
+
+const rptest::Algorithm<SGDOptions> kSGD = {
+    &roundpipe::sgd_step, {"momentum_buffer"}, {"momentum_buffer_ready"}, &Init};
 
 // Flag bits: 1 momentum, 2 dampening, 4 nesterov, 8 weight decay, 16 maximize. Coefficients
 // exact in float32, so the reference sees the kernel's coefficients (see test_adam.cpp).
@@ -62,26 +69,16 @@ SGDOptions options(int flags) {
 
 bool valid(int flags) { return !(flags & 4) || ((flags & 1) && !(flags & 2)); }
 
-std::string describe(int flags) {
-  return std::string("momentum=") + ((flags & 1) ? "1" : "0") + " dampening=" +
-         ((flags & 2) ? "1" : "0") + " nesterov=" + ((flags & 4) ? "1" : "0") +
-         " weight_decay=" + ((flags & 8) ? "1" : "0") + " maximize=" + ((flags & 16) ? "1" : "0");
-}
-
 TEST(SGD, MatchesFloat64ReferenceOnEveryIsaSizeAndFlagCombination) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    for (std::size_t n : rptest::sizes())
-      for (int flags = 0; flags < 32; ++flags) {
-        if (!valid(flags)) continue;
-        if (n > 100000 && flags != 0 && flags != 1 + 4 + 8 + 16 && flags != 1 + 2 + 8) continue;
-        SCOPED_TRACE("n=" + std::to_string(n) + " " + describe(flags));
+  rptest::for_each_case(
+      32, {"momentum=0.875", "dampening=0.25", "nesterov", "weight_decay=0.125", "maximize"},
+      {0, 1 + 4 + 8 + 16, 1 + 2 + 8}, [](std::size_t n, int flags) {
+        if (!valid(flags)) return;
         const SGDOptions o = options(flags);
         std::vector<int> slots, scalars;
         if (o.momentum != 0) slots = scalars = {0};
-        rptest::compare_with_reference<RefSGD>(&roundpipe::sgd_step, o, n, 4, slots, scalars,
-                                               kSlots);
-      }
-  });
+        rptest::compare_with_reference<RefSGD>(kSGD, o, n, 4, slots, scalars);
+      });
 }
 
 TEST(SGD, FirstMomentumStepCopiesTheGradientAndSetsTheFlag) {
@@ -89,10 +86,8 @@ TEST(SGD, FirstMomentumStepCopiesTheGradientAndSetsTheFlag) {
     const std::size_t n = 21;
     std::vector<float> g(n);
     for (std::size_t i = 0; i < n; ++i) g[i] = 0.25f * float(i) - 2.0f;
-    rptest::Host h;
-    h.param.assign(n, 1.0f);
-    h.state[0].assign(n, NAN);  // no value yet: must be ignored
     SGDOptions o = options(1 | 2 | 8);
+    auto h = Init(std::vector<float>(n, 1.0f), o);  // the buffer's NaNs must be ignored
     const ParamBuffers t = h.view(g);
     roundpipe::sgd_step(o, &t, 1);
     EXPECT_EQ(h.scalar[0], 1.0f);
@@ -146,80 +141,36 @@ TEST(SGD, ReadyBuffersMayShareOneFlag) {
 }
 
 TEST(SGD, OneCallUpdatesManyTensorsLikeSeparateCalls) {
-  rptest::for_each_isa([](roundpipe::Isa) {
-    std::mt19937 rng(7);
-    const SGDOptions o = options(1 | 4 | 8);
-    std::vector<rptest::Host> together, apart;
-    std::vector<std::vector<float>> grads;
-    for (std::size_t n : {5, 0, 40000, 17, 16384, 3}) {
-      rptest::Host h;
-      h.param = rptest::randn(n, rng);
-      h.state[0].assign(n, 0.0f);
-      together.push_back(h);
-      apart.push_back(h);
-      grads.push_back(rptest::randn(n, rng));
-    }
-    for (int k = 0; k < 3; ++k) {
-      std::vector<ParamBuffers> ts;
-      for (std::size_t i = 0; i < together.size(); ++i) ts.push_back(together[i].view(grads[i]));
-      roundpipe::sgd_step(o, ts.data(), ts.size());
-      for (std::size_t i = 0; i < apart.size(); ++i) {
-        const ParamBuffers t = apart[i].view(grads[i]);
-        roundpipe::sgd_step(o, &t, 1);
-      }
-    }
-    for (std::size_t i = 0; i < together.size(); ++i) {
-      EXPECT_EQ(together[i].param, apart[i].param) << "tensor " << i;
-      EXPECT_EQ(together[i].state[0], apart[i].state[0]) << "tensor " << i;
-    }
+  // Tensor 0 starts without a momentum value, the others with one: both in one call.
+  rptest::expect_one_call_like_separate_calls(kSGD, options(1 | 4 | 8));
+}
+
+TEST(SGD, ThreadCountDoesNotChangeResults) {
+  rptest::expect_thread_count_does_not_change_results(kSGD, options(1 | 2 | 8 | 16));
+}
+
+TEST(SGD, NonFiniteValuesPropagate) {
+  rptest::expect_non_finite_gradients_propagate(kSGD, options(1), [](const rptest::Host& s) {
+    EXPECT_TRUE(std::isnan(s.state[0][1]));
+    EXPECT_EQ(s.param[3], -INFINITY);      // p - lr * inf
+    EXPECT_EQ(s.state[0][18], 1e-20f);     // the first step copies the gradient
   });
 }
 
 TEST(SGD, BadArgumentsThrowBeforeAnythingChanges) {
-  std::vector<float> g(4, 1.0f);
-  rptest::Host h;
-  h.param.assign(4, 1.0f);
-  h.state[0].assign(4, 0.0f);
-  ParamBuffers t = h.view(g);
-  auto expect_error = [&](SGDOptions o, const ParamBuffers* ts, std::size_t count,
-                          const std::string& needle) {
-    try {
-      roundpipe::sgd_step(o, ts, count);
-      ADD_FAILURE() << "no error for " << needle;
-    } catch (const roundpipe::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(h.scalar[0], 0.0f);
-    EXPECT_EQ(h.param, std::vector<float>(4, 1.0f));
-    EXPECT_EQ(h.state[0], std::vector<float>(4, 0.0f));
-  };
+  rptest::BadArguments<SGDOptions> bad(kSGD);
+  bad.expect_bad_values({{&SGDOptions::lr, -1, "lr"},
+                         {&SGDOptions::momentum, NAN, "momentum"},
+                         {&SGDOptions::weight_decay, -0.1, "weight_decay"}});
   SGDOptions o;
-  o.lr = -1;
-  expect_error(o, &t, 1, "lr");
-  o = {};
-  o.momentum = NAN;
-  expect_error(o, &t, 1, "momentum");
-  o = {};
-  o.weight_decay = -0.1;
-  expect_error(o, &t, 1, "weight_decay");
-  o = {};
   o.nesterov = true;
-  expect_error(o, &t, 1, "nesterov requires momentum > 0 and dampening == 0");
+  bad.expect_error(o, "nesterov requires momentum > 0 and dampening == 0");
   o.momentum = 0.9;
   o.dampening = 0.1;
-  expect_error(o, &t, 1, "nesterov requires momentum > 0 and dampening == 0");
+  bad.expect_error(o, "nesterov requires momentum > 0 and dampening == 0");
   o = {};
-  o.momentum = 0.9;
-  ParamBuffers ts[2] = {t, t};
-  ts[1].state[0] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].momentum_buffer");
-  ts[1] = t;
-  ts[1].scalar[0] = nullptr;
-  expect_error(o, ts, 2, "tensors[1].momentum_buffer_ready");
-  ts[1] = t;
-  ts[1].param = nullptr;
-  expect_error(o, ts, 2, "tensors[1].param");
-  expect_error(o, nullptr, 1, "tensors");
+  o.momentum = 0.9;  // the buffer and its flag required
+  bad.expect_null_buffers_named(o);
 }
 
 }  // namespace

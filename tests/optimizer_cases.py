@@ -47,7 +47,13 @@ CASES = [
                    decoupled_weight_decay=[False, True]),
         invalid=[dict(lr=-1.0), dict(eps=-1.0), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1)),
                  dict(weight_decay=-1.0), dict(betas=(0.9, torch.tensor(0.9))),
-                 dict(lr=torch.tensor([0.1, 0.2]))],
+                 dict(lr=torch.tensor([0.1, 0.2])),
+                 # NaN fails every range check; with two bad values, torch's order decides
+                 # which one is reported; a tensor beta must have one element.
+                 dict(lr=float("nan")), dict(eps=float("nan")), dict(betas=(0.9, float("nan"))),
+                 dict(eps=-1.0, betas=(2.0, 0.9)), dict(betas=(2.0, -1.0)),
+                 dict(betas=(2.0, 0.9), weight_decay=-1.0),
+                 dict(betas=(torch.tensor(0.9), torch.tensor([0.9, 0.8])))],
         base=dict(lr=1e-2, amsgrad=True, weight_decay=0.1),
     ),
     Case(
@@ -104,7 +110,8 @@ CASES += [
         + [dict(lr=1e-2, betas=(torch.tensor(0.8), torch.tensor(0.99)), weight_decay=0.1)],
         invalid=[dict(lr=-1.0), dict(eps=-1.0), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1)),
                  dict(weight_decay=-1.0), dict(momentum_decay=-1e-3),
-                 dict(lr=torch.tensor([0.1, 0.2]))],
+                 dict(lr=torch.tensor([0.1, 0.2])), dict(betas=(float("nan"), 0.9)),
+                 dict(weight_decay=-1.0, momentum_decay=-1.0)],
         base=dict(lr=1e-2, weight_decay=0.1, momentum_decay=0.01),
     ),
     Case(
@@ -116,7 +123,8 @@ CASES += [
         + grid(lr=[1e-2], betas=[(0.9, 0.99), (0.8, 0.7), (0.0, 0.5)])
         + [dict(lr=1e-2, betas=(torch.tensor(0.8), torch.tensor(0.99)), weight_decay=0.1)],
         invalid=[dict(lr=-1.0), dict(eps=-1.0), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1)),
-                 dict(weight_decay=-1.0), dict(lr=torch.tensor([0.1, 0.2]))],
+                 dict(weight_decay=-1.0), dict(lr=torch.tensor([0.1, 0.2])),
+                 dict(betas=(0.9, 2.0), weight_decay=-1.0)],
         base=dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
     ),
     Case(
@@ -150,7 +158,8 @@ CASES += [
         + [dict(lr=1e-2, lr_decay=0.1, weight_decay=0.1, eps=1e-3)],  # an eps that matters
         invalid=[dict(lr=-1.0), dict(lr_decay=-0.1), dict(weight_decay=-1.0),
                  dict(initial_accumulator_value=-1.0), dict(eps=-1e-10),
-                 dict(lr=torch.tensor([0.1, 0.2]))],
+                 dict(lr=torch.tensor([0.1, 0.2])), dict(lr=float("nan")),
+                 dict(initial_accumulator_value=-1.0, eps=-1.0)],
         base=dict(lr=1e-2, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
     ),
     Case(
@@ -163,7 +172,8 @@ CASES += [
         + grid(lr=[1e-2], alpha=[0.3], eps=[1e-6], centered=[True], momentum=[0.9],
                weight_decay=[0.0, 0.1], maximize=[True]),
         invalid=[dict(lr=-1.0), dict(eps=-1.0), dict(momentum=-0.5), dict(weight_decay=-1.0),
-                 dict(alpha=-0.1), dict(lr=torch.tensor([0.1, 0.2]))],
+                 dict(alpha=-0.1), dict(lr=torch.tensor([0.1, 0.2])), dict(alpha=float("nan")),
+                 dict(momentum=-1.0, weight_decay=-1.0)],
         # No weight decay in base: with the 1e-20 gradients of test_extreme_gradient_scales the
         # decayed gradient is ~0.1 * p, the same at every step, so the centered variance
         # square_avg - grad_avg**2 is pure rounding noise; torch's sqrt (MKL's, which is not

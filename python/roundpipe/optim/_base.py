@@ -1,6 +1,6 @@
 """What every ``roundpipe.optim`` class shares: the compatibility placeholders, scalar
-hyperparameters given as tensors, and gathering a parameter group into the lists one C++ call
-takes."""
+hyperparameters given as tensors, torch.optim's hyperparameter checks (same conditions, same
+messages), and gathering a parameter group into the lists one C++ call takes."""
 
 from __future__ import annotations
 
@@ -14,6 +14,36 @@ from torch.optim import Optimizer
 def scalar(x: Any) -> float:
     """A hyperparameter as a Python float (a 1-element tensor such as a tensor ``lr`` included)."""
     return x.item() if isinstance(x, torch.Tensor) else float(x)
+
+
+# torch.optim's constructor checks, with its exact messages. Each class calls them in the order
+# its torch counterpart checks, so the first bad value reported is the same.
+
+
+def check_tensor_lr(lr: Any) -> None:
+    """A tensor ``lr`` must have one element."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+
+
+def check_lr(lr: Any) -> None:
+    """``lr``: a 1-element tensor or a number, ``>= 0`` (NaN fails)."""
+    check_tensor_lr(lr)
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def check_non_negative(value: Any, name: str) -> None:
+    """``value >= 0`` (NaN fails); the message calls it ``name`` ("epsilon" for ``eps``)."""
+    if not 0.0 <= value:
+        raise ValueError(f"Invalid {name} value: {value}")
+
+
+def check_betas(betas: Any) -> None:
+    """Each of the two betas in ``[0, 1)`` (NaN fails), index 0 first."""
+    for i in (0, 1):
+        if not 0.0 <= betas[i] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]}")
 
 
 class CpuOptimizer(Optimizer):

@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 
 from .. import _C
-from ._base import CpuOptimizer, scalar
+from ._base import CpuOptimizer, check_lr, check_non_negative, scalar
 
 
 class Adagrad(CpuOptimizer):
@@ -65,20 +65,11 @@ class Adagrad(CpuOptimizer):
         differentiable: bool = False,
         fused: Optional[bool] = None,
     ) -> None:
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= lr_decay:
-            raise ValueError(f"Invalid lr_decay value: {lr_decay}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not 0.0 <= initial_accumulator_value:
-            raise ValueError(
-                f"Invalid initial_accumulator_value value: {initial_accumulator_value}"
-            )
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
+        check_lr(lr)
+        check_non_negative(lr_decay, "lr_decay")
+        check_non_negative(weight_decay, "weight_decay")
+        check_non_negative(initial_accumulator_value, "initial_accumulator_value")
+        check_non_negative(eps, "epsilon")
         defaults = dict(
             lr=lr,
             lr_decay=lr_decay,

@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 
 from .. import _C
-from ._base import CpuOptimizer, scalar
+from ._base import CpuOptimizer, check_lr, check_non_negative, scalar
 
 
 class ASGD(CpuOptimizer):
@@ -71,12 +71,8 @@ class ASGD(CpuOptimizer):
         differentiable: bool = False,
         capturable: bool = False,
     ) -> None:
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        check_lr(lr)
+        check_non_negative(weight_decay, "weight_decay")
         defaults = dict(
             lr=lr,
             lambd=lambd,

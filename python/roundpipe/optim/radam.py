@@ -7,7 +7,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .. import _C
-from ._base import CpuOptimizer, scalar
+from ._base import CpuOptimizer, check_betas, check_lr, check_non_negative, scalar
 
 
 class RAdam(CpuOptimizer):
@@ -61,18 +61,10 @@ class RAdam(CpuOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
     ) -> None:
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        check_lr(lr)
+        check_non_negative(eps, "epsilon")
+        check_betas(betas)
+        check_non_negative(weight_decay, "weight_decay")
         defaults = dict(
             lr=lr,
             betas=betas,

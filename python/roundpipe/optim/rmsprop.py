@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 
 from .. import _C
-from ._base import CpuOptimizer, scalar
+from ._base import CpuOptimizer, check_lr, check_non_negative, scalar
 
 
 class RMSprop(CpuOptimizer):
@@ -63,18 +63,11 @@ class RMSprop(CpuOptimizer):
         maximize: bool = False,
         differentiable: bool = False,
     ) -> None:
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= momentum:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not 0.0 <= alpha:
-            raise ValueError(f"Invalid alpha value: {alpha}")
+        check_lr(lr)
+        check_non_negative(eps, "epsilon")
+        check_non_negative(momentum, "momentum")
+        check_non_negative(weight_decay, "weight_decay")
+        check_non_negative(alpha, "alpha")
         defaults = dict(
             lr=lr,
             momentum=momentum,

@@ -7,7 +7,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .. import _C
-from ._base import CpuOptimizer, scalar
+from ._base import CpuOptimizer, check_lr, scalar
 
 
 class Rprop(CpuOptimizer):
@@ -63,10 +63,7 @@ class Rprop(CpuOptimizer):
         maximize: bool = False,
         differentiable: bool = False,
     ) -> None:
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
+        check_lr(lr)
         if not 0.0 < etas[0] < 1.0 < etas[1]:
             raise ValueError(f"Invalid eta values: {etas[0]}, {etas[1]}")
         defaults = dict(

@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from .. import _C
-from ._base import CpuOptimizer, scalar
+from ._base import CpuOptimizer, check_tensor_lr, scalar
 
 # The kernel's flag for a momentum buffer that already holds a value. The kernel writes a flag
 # only when it turns it from 0 to 1, so this one tensor serves every such buffer and is never
@@ -67,8 +67,8 @@ class SGD(CpuOptimizer):
         differentiable: bool = False,
         fused: Optional[bool] = None,
     ) -> None:
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
+        check_tensor_lr(lr)
+        # torch.optim.SGD tests `x < 0.0`, not `not 0.0 <= x`: NaN passes, as there.
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if momentum < 0.0:
