@@ -90,6 +90,14 @@ class CpuOptimizer(Optimizer):
                     f"roundpipe.optim.{type(self).__name__} does not support {flag}=True"
                 )
 
+    def _scalar_state_to_tensors(self, keys: tuple[str, ...] = ("step",)) -> None:
+        """As torch's ``__setstate__``: 0-dim state saved as Python numbers by old checkpoints
+        becomes float32 tensors again."""
+        for p_state in self.state.values():
+            for key in keys:
+                if key in p_state and not torch.is_tensor(p_state[key]):
+                    p_state[key] = torch.tensor(float(p_state[key]), dtype=torch.float32)
+
     def _active_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._state_keys
 

@@ -93,10 +93,7 @@ class Adagrad(CpuOptimizer):
             group.setdefault("maximize", False)
             group.setdefault("differentiable", False)
             group.setdefault("fused", None)
-            for p in group["params"]:
-                p_state = self.state.get(p, [])
-                if len(p_state) != 0 and not torch.is_tensor(p_state["step"]):
-                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+        self._scalar_state_to_tensors()
 
     def share_memory(self) -> None:
         """Calls ``tensor.share_memory_()`` on the state ``sum`` tensors, as torch does."""

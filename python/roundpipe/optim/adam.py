@@ -99,10 +99,7 @@ class Adam(CpuOptimizer):
             group.setdefault("differentiable", False)
             group.setdefault("decoupled_weight_decay", False)
             group.setdefault("fused", None)
-            for p in group["params"]:
-                p_state = self.state.get(p, [])
-                if len(p_state) != 0 and not torch.is_tensor(p_state["step"]):
-                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+        self._scalar_state_to_tensors()
 
     def _active_state_keys(self, group):
         return self._state_keys if group["amsgrad"] else self._state_keys[:2]

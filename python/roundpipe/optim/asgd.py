@@ -93,12 +93,7 @@ class ASGD(CpuOptimizer):
             group.setdefault("maximize", False)
             group.setdefault("differentiable", False)
             group.setdefault("capturable", False)
-            for p in group["params"]:
-                p_state = self.state.get(p, [])
-                if len(p_state) != 0:
-                    for key in ("step", "eta", "mu"):
-                        if not torch.is_tensor(p_state[key]):
-                            p_state[key] = torch.tensor(float(p_state[key]), dtype=torch.float32)
+        self._scalar_state_to_tensors(("step", "eta", "mu"))
 
     def _init_state(self, group, p, state):
         state["step"] = torch.zeros((), dtype=torch.float32)

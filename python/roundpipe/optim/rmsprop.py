@@ -91,10 +91,7 @@ class RMSprop(CpuOptimizer):
             group.setdefault("maximize", False)
             group.setdefault("differentiable", False)
             group.setdefault("capturable", False)
-            for p in group["params"]:
-                p_state = self.state.get(p, [])
-                if len(p_state) != 0 and not torch.is_tensor(p_state["step"]):
-                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+        self._scalar_state_to_tensors()
 
     def _active_state_keys(self, group):
         keys = ("square_avg",)
