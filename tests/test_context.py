@@ -64,3 +64,31 @@ def test_thread_local():
 def test_enabled_must_be_bool():
     with pytest.raises(TypeError, match="enabled"):
         OptimizerCtx(enabled=1)
+
+
+def test_one_instance_entered_by_two_threads():
+    ctx = OptimizerCtx()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with ctx:
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+        seen["a_after"] = OptimizerCtx.is_active()
+
+    def b():
+        a_in.wait(5)
+        with ctx:
+            b_in.set()
+            a_out.wait(5)
+            seen["b_inside"] = OptimizerCtx.is_active()
+        seen["b_after"] = OptimizerCtx.is_active()
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert seen == {"a_after": False, "b_inside": True, "b_after": False}

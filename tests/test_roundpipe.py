@@ -421,3 +421,48 @@ def test_import_does_not_initialise_cuda():
     r = subprocess.run([sys.executable, "-c", "import torch, roundpipe, roundpipe.optim; "
                         "print(torch.cuda.is_initialized())"], capture_output=True, text=True)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_repeated_layers_sequential_subclasses_and_tied_weights():
+    x = torch.randn(4, 8)
+    shared = nn.Linear(8, 8)
+    net = nn.Sequential(shared, nn.Tanh(), shared)            # one module, run twice
+    model = RoundPipe(net)
+    model.eval()
+    torch.testing.assert_close(model(x), net(x))
+
+    class Residual(nn.Sequential):                             # its own forward: one layer
+        def forward(self, x):
+            return x + super().forward(x)
+
+    res = Residual(nn.Linear(8, 8), nn.Tanh())
+    model = RoundPipe(res)
+    model.eval()
+    torch.testing.assert_close(model(x), res(x))
+
+    emb = nn.Embedding(16, 8)
+    head = nn.Linear(8, 16, bias=False)
+    head.weight = emb.weight                                   # tied across stages
+    model = RoundPipe(nn.Sequential(emb, nn.Tanh(), head).to(torch.bfloat16),
+                      optim_dtype=torch.float32)
+    with torch.no_grad():
+        next(model.optim_parameters()).add_(1e-3)              # not representable in bf16
+    sd = model.state_dict()
+    assert sd["0.weight"].dtype == torch.float32 and torch.equal(sd["0.weight"], sd["2.weight"])
+
+
+def test_deepcopy_and_unfreezing_after_wrapping():
+    torch.manual_seed(0)
+    model = RoundPipe(mlp())
+    twin = copy.deepcopy(model)
+    x, y = data("mlp", 0)
+    for m in (model, twin):
+        torch.manual_seed(1)
+        m.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        m.step(lambda: None)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    net[1].requires_grad_(False)
+    model = RoundPipe(net)
+    net[1].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="frozen when the model was wrapped"):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)

@@ -30,15 +30,19 @@ class OptimizerCtx:
         if not isinstance(enabled, bool):
             raise TypeError(f"OptimizerCtx: enabled must be a bool, got {type(enabled).__name__}")
         self.enabled = enabled
-        self._saved: list[bool] = []
 
     def __enter__(self) -> "OptimizerCtx":
-        self._saved.append(OptimizerCtx.is_active())
+        # The states to restore live in the thread, not in the instance: one instance may be
+        # entered by several threads at once.
+        saved = getattr(_local, "saved", None)
+        if saved is None:
+            saved = _local.saved = []
+        saved.append(OptimizerCtx.is_active())
         _local.active = self.enabled
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        _local.active = self._saved.pop()
+        _local.active = _local.saved.pop()
 
     @staticmethod
     def is_active() -> bool:

@@ -9,9 +9,11 @@ from torch import nn
 
 
 def split_layers(model: nn.Module) -> list[nn.Module]:
-    """An ``nn.Sequential``'s children are the layers; any other module is one layer."""
-    if isinstance(model, nn.Sequential):
-        layers = list(model.children())
+    """An ``nn.Sequential``'s entries are the layers, in order, a module repeated in it counted
+    each time it appears (as ``nn.Sequential.forward`` runs it). Any other module, including a
+    Sequential subclass that defines its own ``forward``, is one layer."""
+    if isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward:
+        layers = list(model)
         if not layers:
             raise ValueError("RoundPipe: the nn.Sequential model has no layers")
         return layers

@@ -184,6 +184,13 @@ class RoundPipe(nn.Module):
                         "the model (e.g. net.to(torch.bfloat16)) before wrapping it, and choose "
                         "the compute device with RoundPipe(device=...)")
 
+    def __setstate__(self, state) -> None:
+        """After ``copy.deepcopy`` or unpickling the parameters are new objects: rebuild the
+        identity index over them."""
+        super().__setstate__(state)
+        self._index = {id(p): i for i, p in enumerate(self._model_params)}
+        self._synced = [self._version(p) for p in self._model_params]
+
     # --- keeping the two copies consistent -------------------------------------------------
 
     @staticmethod
@@ -216,7 +223,12 @@ class RoundPipe(nn.Module):
             t = weights.tensors[name]
             if t.grad is None:
                 continue
-            i = self._index[id(host)]
+            i = self._index.get(id(host))
+            if i is None:
+                raise RuntimeError(
+                    f"RoundPipe: parameter {name!r} requires grad but was frozen when the model "
+                    "was wrapped, so it has no optimizer copy; set requires_grad before wrapping "
+                    "(parameters frozen after wrapping are simply not trained)")
             g = t.grad.to("cpu", self._optim_params[i].dtype)
             if self._grads[i] is None:
                 self._grads[i] = g if g is not t.grad else g.clone()
@@ -255,8 +267,11 @@ class RoundPipe(nn.Module):
         mbs = self._microbatches(args, kwargs, None, num_microbatch)
         acts: list[Any] = [(a, k) for a, k, _ in mbs]
         call_seed = draw_call_seed()
-        for stage in self._stages:
-            acts = self._forward_stage(stage, acts, call_seed)
+        try:
+            for stage in self._stages:
+                acts = self._forward_stage(stage, acts, call_seed)
+        finally:
+            self._recompute_store.clear()  # nothing is recomputed after inference
         return mb.merge_outputs(acts)
 
     def forward_backward(self, input_args: tuple = (), input_kwargs: Optional[dict] = None,
@@ -359,14 +374,20 @@ class RoundPipe(nn.Module):
         """The wrapped model's state dict, with the model's keys; trainable parameters at full
         precision (from the optimizer copies), buffers and frozen parameters from the model."""
         sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        for name, o in zip(self._names, self._optim_params):
-            sd[prefix + name] = o if keep_vars else o.detach()
+        # every name of a parameter, tied ones (one parameter under several names) included
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            i = self._index.get(id(p))
+            if i is not None:
+                o = self._optim_params[i]
+                sd[prefix + name] = o if keep_vars else o.detach()
         return sd
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a state dict with the model's keys (e.g. from :meth:`state_dict` or from the
         unwrapped model) into both copies: the model copy rounded to its dtype, the optimizer
-        copies at the precision given. ``assign=True`` is not supported."""
+        copies at the precision given. ``assign=True`` is not supported. RoundPipe is meant to
+        be the outermost module: save and load its own state dict, not one of a module that
+        contains it."""
         if assign:
             raise ValueError("RoundPipe.load_state_dict: assign=True is not supported")
         result = self.module.load_state_dict(state_dict, strict=strict)
