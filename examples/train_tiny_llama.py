@@ -119,9 +119,13 @@ def generate(model: RoundPipe, prompt: bytes, length: int, context: int, tempera
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     ap.add_argument("--data", type=pathlib.Path, default=pathlib.Path(sysconfig.get_paths()["stdlib"]),
-                    help="a text file or a folder of text (default: Python's standard library)")
+                    help="a text file, or a folder whose .py/.txt/.md/.rst files are read "
+                         "(default: Python's standard library)")
     ap.add_argument("--max-bytes", type=int, default=20_000_000, help="read at most this much text")
     ap.add_argument("--steps", type=int, default=400, help="optimizer steps")
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
@@ -142,11 +146,17 @@ def main() -> None:
                     help="folder for loss.png and metrics.json")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    for name in ("steps", "batch", "seq", "microbatches", "dim", "layers", "heads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1")
 
     torch.manual_seed(args.seed)
     text = load_bytes(args.data, args.max_bytes)
-    split = int(len(text) * 0.98)
-    train, val = text[:split], text[split:]
+    val_size = max(len(text) // 50, 4 * (args.seq + 1))   # 2%, and enough for a few sequences
+    if len(text) - val_size < 4 * (args.seq + 1):
+        raise SystemExit(f"--data {args.data}: {len(text)} bytes of text is too little for "
+                         f"--seq {args.seq}; need at least {val_size + 4 * (args.seq + 1)}")
+    train, val = text[:-val_size], text[-val_size:]
     net = tiny_llama(args.dim, args.layers, args.heads, args.dropout).to(getattr(torch, args.dtype))
     model = RoundPipe(net, optim_dtype=torch.float32, device=args.device, num_microbatch=args.microbatches)
     decay = [p for n, p in model.optim_named_parameters() if p.dim() >= 2]
@@ -157,8 +167,9 @@ def main() -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
     n_params = sum(p.numel() for p in model.optim_parameters())
-    print(f"{len(text) / 1e6:.1f} MB of text from {args.data}; model {n_params / 1e6:.2f}M "
-          f"parameters ({args.dtype} model copy, float32 optimizer copy), {len(net)} layers; "
+    print(f"{len(text):,} bytes of text from {args.data}; model {n_params / 1e6:.2f}M "
+          f"parameters ({args.dtype} model copy, float32 optimizer copy), {args.layers} blocks "
+          f"({len(net)} layers with the embedding and the head); "
           f"compute device {model.device}; optimizer ISA {roundpipe.optim.active_isa()} with "
           f"{roundpipe.optim.num_threads()} threads")
 
@@ -200,6 +211,7 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     last_val = val_loss()
 
+    model.eval()  # no dropout while sampling
     sample = generate(model, b"def ", args.sample_bytes, args.seq, 0.8, gen)
     window = max(1, args.steps // 10)
     metrics = {

@@ -180,7 +180,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="threads for ours and torch (default 1)")
     ap.add_argument("--repeats", type=int, default=7, help="timed rounds per contender (median)")
     ap.add_argument("--scale", type=float, default=1.0,
-                    help="shrink every layout's element count by this factor (quick runs)")
+                    help="multiply every layout's element count by this factor (e.g. 0.01 for a "
+                         "quick run)")
     ap.add_argument("--json", help="also write the results as JSON to this file")
     args = ap.parse_args(argv)
     print(f"RoundPipe optimizer benchmark: ISA {rpo.active_isa()}, {args.threads} thread(s), "

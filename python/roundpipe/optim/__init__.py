@@ -10,6 +10,10 @@ the kernels use (also settable with the environment variable ``ROUNDPIPE_ISA``);
 """
 
 from .._C import active_isa, num_threads, set_isa, set_num_threads, supported_isas
+
+# Reads ROUNDPIPE_ISA now, so that an unknown or unsupported value fails at import (ValueError
+# listing the supported ISAs) rather than at the first step.
+active_isa()
 from .adadelta import Adadelta
 from .adagrad import Adagrad
 from .adam import Adam
