@@ -32,6 +32,7 @@ std::string dtype_name(nb::dlpack::dtype d) {
                      : d.code == uint8_t(nb::dlpack::dtype_code::UInt)  ? "uint"
                      : d.code == uint8_t(nb::dlpack::dtype_code::Bfloat) ? "bfloat"
                      : d.code == uint8_t(nb::dlpack::dtype_code::Bool)  ? "bool"
+                     : d.code == uint8_t(nb::dlpack::dtype_code::Complex) ? "complex"
                                                                          : "other";
   return std::string(kind) + std::to_string(d.bits);
 }

@@ -54,7 +54,9 @@ def test_set_isa_and_query():
 
 def test_thread_count():
     before = rpo.num_threads()
-    with pytest.raises(ValueError, match="n must be >= 1"):
+    with pytest.raises(ValueError, match=r"n must be in \[1, 1024\]"):
+        rpo.set_num_threads(1025)
+    with pytest.raises(ValueError, match=r"n must be in \[1, 1024\]"):
         rpo.set_num_threads(0)
     rpo.set_num_threads(1)
     assert rpo.num_threads() == 1

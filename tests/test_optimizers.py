@@ -278,3 +278,20 @@ def test_bad_tensors_raise_before_any_change(case, bad):
     assert torch.equal(good.detach(), snapshot[0]) and torch.equal(other.detach(), snapshot[1])
     for k, v in state_before.items():
         assert torch.equal(opt.state[good][k], v), k
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_float64_step_in_a_checkpoint_is_accepted(case):
+    params = make_params([(5,)])
+    opt = case.ours(params, **case.base)
+    _train(opt, params, 2, seed=1)
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        for k in case.ours._scalar_keys:
+            if k in st and torch.is_tensor(st[k]):
+                st[k] = st[k].double()
+    fresh = case.ours(params, **case.base)
+    fresh.load_state_dict(sd)
+    _train(fresh, params, 1, seed=2)
+    assert all(v.dtype == torch.float32 for st in fresh.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() == 0)

@@ -86,6 +86,7 @@ class Pool {
   void* ctx_ = nullptr;
 };
 
+constexpr int kMaxThreads = 1024;
 std::mutex g_call_mutex;  // one step at a time; guards g_threads and g_pool
 int g_threads = 0;        // 0: not yet read
 Pool* g_pool = nullptr;   // created on the first parallel step; leaked in a forked child
@@ -110,8 +111,9 @@ int num_threads() {
 }
 
 void set_num_threads(int n) {
-  if (n < 1)
-    throw Error("set_num_threads: n must be >= 1, got " + std::to_string(n));
+  if (n < 1 || n > kMaxThreads)
+    throw Error("set_num_threads: n must be in [1, " + std::to_string(kMaxThreads) + "], got " +
+                std::to_string(n));
   std::lock_guard<std::mutex> lock(g_call_mutex);
   if (g_pool && g_pool->threads() != n) {
     delete g_pool;

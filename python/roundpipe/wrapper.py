@@ -126,8 +126,8 @@ class RoundPipe(nn.Module):
         if optim_dtype is not None and not (isinstance(optim_dtype, torch.dtype)
                                             and optim_dtype.is_floating_point):
             raise ValueError(f"RoundPipe: optim_dtype must be a floating torch.dtype, got {optim_dtype!r}")
-        if num_microbatch is not None and num_microbatch < 1:
-            raise ValueError(f"RoundPipe: num_microbatch must be >= 1, got {num_microbatch}")
+        if num_microbatch is not None and (not isinstance(num_microbatch, int) or num_microbatch < 1):
+            raise ValueError(f"RoundPipe: num_microbatch must be an int >= 1, got {num_microbatch!r}")
         self.module = model
         self.device = torch.device(device) if device is not None else default_device()
         self._layers = split_layers(model)
@@ -249,8 +249,8 @@ class RoundPipe(nn.Module):
 
     def _microbatches(self, args, kwargs, label, num_microbatch) -> list:
         n = num_microbatch if num_microbatch is not None else self.num_microbatch
-        if n < 1:
-            raise ValueError(f"RoundPipe: num_microbatch must be >= 1, got {n}")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"RoundPipe: num_microbatch must be an int >= 1, got {n!r}")
         return self._split(tuple(args), dict(kwargs or {}), label, n)
 
     def _run(self, stage: Stage, weights: list[LayerWeights], stage_input: Any, m: int,

@@ -10,7 +10,7 @@ namespace roundpipe {
 /// Threads a step uses, counting the caller. Defaults to the CPUs this process may run on.
 int num_threads();
 
-/// Sets the threads a step uses (>= 1). Throws roundpipe::Error otherwise. Not to be called while
+/// Sets the threads a step uses, in [1, 1024]. Throws roundpipe::Error otherwise. Not to be called while
 /// a step runs.
 void set_num_threads(int n);
 

@@ -90,6 +90,16 @@ class CpuOptimizer(Optimizer):
                     f"roundpipe.optim.{type(self).__name__} does not support {flag}=True"
                 )
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``; 0-dim state saved in another floating
+        dtype (e.g. a float64 ``step``) is converted to the float32 the kernels keep."""
+        super().load_state_dict(state_dict)
+        for p_state in self.state.values():
+            for key in self._scalar_keys:
+                v = p_state.get(key)
+                if torch.is_tensor(v) and v.dtype != torch.float32 and v.is_floating_point():
+                    p_state[key] = v.to(torch.float32)
+
     def _scalar_state_to_tensors(self, keys: tuple[str, ...] = ("step",)) -> None:
         """As torch's ``__setstate__``: 0-dim state saved as Python numbers by old checkpoints
         becomes float32 tensors again."""
