@@ -24,8 +24,8 @@ void adam_step(const AdamOptions& o, const ParamBuffers* tensors, std::size_t co
                         scalar_names, 1);
   const detail::KernelTable& kernels = detail::active_kernels();
 
-  const bool decoupled = o.decoupled_weight_decay && o.weight_decay != 0.0;
-  const detail::Lerp lerp = detail::lerp_coeff(1.0 - o.beta1);
+  const detail::MomentCoeffs moments = detail::moment_coeffs(
+      o.lr, o.beta1, o.beta2, o.weight_decay, o.decoupled_weight_decay, o.maximize);
   std::vector<detail::AdamCoeffs> coeffs(count);
   for (std::size_t i = 0; i < count; ++i) {
     float& step_t = *tensors[i].scalar[AdamState::step];
@@ -34,17 +34,11 @@ void adam_step(const AdamOptions& o, const ParamBuffers* tensors, std::size_t co
     const double bias_correction1 = 1.0 - std::pow(o.beta1, step);
     const double bias_correction2 = 1.0 - std::pow(o.beta2, step);
     coeffs[i] = detail::AdamCoeffs{
-        /*weight_decay=*/decoupled ? 0.0f : static_cast<float>(o.weight_decay),
-        /*decay=*/decoupled ? static_cast<float>(1.0 - o.lr * o.weight_decay) : 1.0f,
-        lerp.weight,
-        lerp.from_end,
-        static_cast<float>(o.beta2),
-        static_cast<float>(1.0 - o.beta2),
+        moments,
         static_cast<float>(std::pow(bias_correction2, 0.5)),
         static_cast<float>(o.eps),
         static_cast<float>(-(o.lr / bias_correction1)),
         o.amsgrad,
-        o.maximize,
     };
   }
   detail::run_kernel(kernels.adam, coeffs.data(), tensors, count);

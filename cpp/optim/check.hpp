@@ -8,6 +8,7 @@
 
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/error.hpp"
+#include "roundpipe/kernels/moments.hpp"
 
 namespace roundpipe {
 namespace detail {
@@ -57,6 +58,23 @@ struct Lerp {
 inline Lerp lerp_coeff(double weight) {
   const float w = static_cast<float>(weight);
   return std::fabs(w) < 0.5f ? Lerp{w, false} : Lerp{w - 1.0f, true};
+}
+
+// The shared part of the Adam family's coefficients (kernels/moments.hpp), as torch computes
+// them: decoupled decay 1 - lr * weight_decay in double, the rest rounded to float32.
+inline MomentCoeffs moment_coeffs(double lr, double beta1, double beta2, double weight_decay,
+                                  bool decoupled_weight_decay, bool maximize) {
+  const bool decoupled = decoupled_weight_decay && weight_decay != 0.0;
+  const Lerp lerp = lerp_coeff(1.0 - beta1);
+  return MomentCoeffs{
+      /*weight_decay=*/decoupled ? 0.0f : static_cast<float>(weight_decay),
+      /*decay=*/decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f,
+      lerp.weight,
+      lerp.from_end,
+      static_cast<float>(beta2),
+      static_cast<float>(1.0 - beta2),
+      maximize,
+  };
 }
 
 }  // namespace detail

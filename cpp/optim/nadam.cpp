@@ -24,8 +24,8 @@ void nadam_step(const NAdamOptions& o, const ParamBuffers* tensors, std::size_t 
   detail::check_buffers(fn, tensors, count, state_names, 0b11u, scalar_names, 2);
   const detail::KernelTable& kernels = detail::active_kernels();
 
-  const bool decoupled = o.decoupled_weight_decay && o.weight_decay != 0.0;
-  const detail::Lerp lerp = detail::lerp_coeff(1.0 - o.beta1);
+  const detail::MomentCoeffs moments = detail::moment_coeffs(
+      o.lr, o.beta1, o.beta2, o.weight_decay, o.decoupled_weight_decay, o.maximize);
   std::vector<detail::NAdamCoeffs> coeffs(count);
   for (std::size_t i = 0; i < count; ++i) {
     float& step_t = *tensors[i].scalar[NAdamState::step];
@@ -44,17 +44,11 @@ void nadam_step(const NAdamOptions& o, const ParamBuffers* tensors, std::size_t 
     // float32 in addcdiv_; with a tensor lr its expressions become float32 tensor arithmetic,
     // so torch's coefficients may then differ from these by an ulp or so.
     coeffs[i] = detail::NAdamCoeffs{
-        /*weight_decay=*/decoupled ? 0.0f : static_cast<float>(o.weight_decay),
-        /*decay=*/decoupled ? static_cast<float>(1.0 - o.lr * o.weight_decay) : 1.0f,
-        lerp.weight,
-        lerp.from_end,
-        static_cast<float>(o.beta2),
-        static_cast<float>(1.0 - o.beta2),
+        moments,
         static_cast<float>(bias_correction2),
         static_cast<float>(o.eps),
         static_cast<float>(-o.lr * (1.0 - mu) / (1.0 - mu_product)),
         static_cast<float>((-o.lr * mu_next) / (1.0 - mu_product_next)),
-        o.maximize,
     };
   }
   detail::run_kernel(kernels.nadam, coeffs.data(), tensors, count);

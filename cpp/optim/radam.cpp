@@ -24,8 +24,8 @@ void radam_step(const RAdamOptions& o, const ParamBuffers* tensors, std::size_t 
   detail::check_buffers(fn, tensors, count, state_names, 0b11u, scalar_names, 1);
   const detail::KernelTable& kernels = detail::active_kernels();
 
-  const bool decoupled = o.decoupled_weight_decay && o.weight_decay != 0.0;
-  const detail::Lerp lerp = detail::lerp_coeff(1.0 - o.beta1);
+  const detail::MomentCoeffs moments = detail::moment_coeffs(
+      o.lr, o.beta1, o.beta2, o.weight_decay, o.decoupled_weight_decay, o.maximize);
   // Maximum length of the approximated simple moving average.
   const double rho_inf = 2.0 / (1.0 - o.beta2) - 1.0;
   std::vector<detail::RAdamCoeffs> coeffs(count);
@@ -43,19 +43,13 @@ void radam_step(const RAdamOptions& o, const ParamBuffers* tensors, std::size_t 
                              0.5)
                   : 0.0;
     coeffs[i] = detail::RAdamCoeffs{
-        /*weight_decay=*/decoupled ? 0.0f : static_cast<float>(o.weight_decay),
-        /*decay=*/decoupled ? static_cast<float>(1.0 - o.lr * o.weight_decay) : 1.0f,
-        lerp.weight,
-        lerp.from_end,
-        static_cast<float>(o.beta2),
-        static_cast<float>(1.0 - o.beta2),
+        moments,
         static_cast<float>(bias_correction1),
         static_cast<float>(o.lr),
         rectified,
         static_cast<float>(std::pow(bias_correction2, 0.5)),
         static_cast<float>(o.eps),
         static_cast<float>(rect),
-        o.maximize,
     };
   }
   detail::run_kernel(kernels.radam, coeffs.data(), tensors, count);

@@ -10,22 +10,17 @@
 #include <cstddef>
 
 #include "roundpipe/adam.hpp"
+#include "roundpipe/kernels/moments.hpp"
 
 namespace roundpipe {
 namespace detail {
 
 struct AdamCoeffs {
-  float weight_decay;      // L2 coefficient added to the gradient (0: none)
-  float decay;             // decoupled: p *= decay (1: none)
-  float lerp_weight;       // torch's lerp_ coefficient: w if |w| < 0.5, else w - 1
-  bool lerp_from_end;      // |w| >= 0.5: lerp is end + (w - 1) * (end - start)
-  float beta2;
-  float one_minus_beta2;
+  MomentCoeffs moments;     // gradient, weight decay and the two moments (moments.hpp)
   float bias_correction2_sqrt;
   float eps;
   float neg_step_size;     // -lr / bias_correction1
   bool amsgrad;
-  bool maximize;
 };
 
 }  // namespace detail
@@ -44,20 +39,7 @@ inline void adam_kernel(const detail::AdamCoeffs& c, const ParamBuffers& t, std:
   float* const max_exp_avg_sq = t.state[AdamState::max_exp_avg_sq];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
-    V g = V::load(t.grad + i);
-    V p = V::load(t.param + i);
-    if (c.maximize) g = -g;
-    if (c.weight_decay != 0.0f) g = fmadd(p, V::set1(c.weight_decay), g);
-    if (c.decay != 1.0f) p = p * V::set1(c.decay);
-    V m = V::load(exp_avg + i);
-    m = c.lerp_from_end ? fmadd(V::set1(c.lerp_weight), g - m, g)
-                        : fmadd(V::set1(c.lerp_weight), g - m, m);
-    // torch's addcmul: self + value * t1 * t2, which ATen's AVX2/AVX-512 kernels compute as
-    // fma(value * t1, t2, self); fmadd rounds twice on ISAs without FMA, as ATen's fallback.
-    V v = V::load(exp_avg_sq + i) * V::set1(c.beta2);
-    v = fmadd(V::set1(c.one_minus_beta2) * g, g, v);
-    m.store(exp_avg + i);
-    v.store(exp_avg_sq + i);
+    auto [p, g, m, v] = update_moments<V>(c.moments, t, exp_avg, exp_avg_sq, i);
     if (c.amsgrad) {
       v = maximum(V::load(max_exp_avg_sq + i), v);
       v.store(max_exp_avg_sq + i);

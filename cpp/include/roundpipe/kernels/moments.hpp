@@ -1,0 +1,58 @@
+// The first part of the Adam family's update (Adam/AdamW, NAdam, RAdam), written once: torch's
+// single-tensor code for the three is the same up to here.
+//   g = maximize ? -grad : grad;  g = fmadd(p, wd, g) (L2) | p = p * (1 - lr * wd) (decoupled)
+//   m = lerp(m, g, 1 - beta1);    v = fma((1 - beta2) * g, g, v * beta2)   (stored)
+// torch's addcmul (self + value * t1 * t2) is what ATen's AVX2/AVX-512 kernels compute as
+// fma(value * t1, t2, self); fmadd rounds twice on ISAs without FMA, as ATen's fallback does.
+#pragma once
+
+#include "roundpipe/buffers.hpp"
+
+namespace roundpipe {
+namespace detail {
+
+struct MomentCoeffs {
+  float weight_decay;      // L2 coefficient added to the gradient (0: none)
+  float decay;             // decoupled: p *= decay (1: none)
+  float lerp_weight;       // torch's lerp_ coefficient: w if |w| < 0.5, else w - 1
+  bool lerp_from_end;      // |w| >= 0.5: lerp is end + (w - 1) * (end - start)
+  float beta2;
+  float one_minus_beta2;
+  bool maximize;
+};
+
+}  // namespace detail
+}  // namespace roundpipe
+
+#ifdef ROUNDPIPE_ISA_NS
+namespace roundpipe {
+namespace ROUNDPIPE_ISA_NS {
+
+template <class V>
+struct Moments {
+  V p, g, m, v;  // decayed parameter, gradient, new exp_avg and exp_avg_sq
+};
+
+// Elements [i, i + V::width): loads grad, param and the moments, updates and stores the moments,
+// returns what the algorithm's own update needs.
+template <class V>
+inline Moments<V> update_moments(const detail::MomentCoeffs& c, const ParamBuffers& t,
+                                 float* exp_avg, float* exp_avg_sq, std::size_t i) {
+  V g = V::load(t.grad + i);
+  V p = V::load(t.param + i);
+  if (c.maximize) g = -g;
+  if (c.weight_decay != 0.0f) g = fmadd(p, V::set1(c.weight_decay), g);
+  if (c.decay != 1.0f) p = p * V::set1(c.decay);
+  V m = V::load(exp_avg + i);
+  m = c.lerp_from_end ? fmadd(V::set1(c.lerp_weight), g - m, g)
+                      : fmadd(V::set1(c.lerp_weight), g - m, m);
+  V v = V::load(exp_avg_sq + i) * V::set1(c.beta2);
+  v = fmadd(V::set1(c.one_minus_beta2) * g, g, v);
+  m.store(exp_avg + i);
+  v.store(exp_avg_sq + i);
+  return {p, g, m, v};
+}
+
+}  // namespace ROUNDPIPE_ISA_NS
+}  // namespace roundpipe
+#endif
