@@ -177,6 +177,7 @@ class RoundPipe(nn.Module):
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The wrapped model's buffers (host tensors, the model's dtype) under its own names."""
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def _apply(self, fn, recurse=True):

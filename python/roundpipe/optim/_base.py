@@ -123,7 +123,7 @@ class CpuOptimizer(Optimizer):
         the group does not use. Missing state is initialised first, as torch does."""
         name = type(self).__name__
         active = self._active_state_keys(group)
-        needed = self._scalar_keys + active
+        needed = frozenset(self._scalar_keys + active)
         params: list = []
         grads: list = []
         states: list[list] = [[] for _ in self._state_keys]
@@ -137,7 +137,7 @@ class CpuOptimizer(Optimizer):
                 if g.is_sparse:
                     raise RuntimeError(f"{name} does not support sparse gradients")
                 state = self.state[p]
-                if any(k not in state for k in needed):
+                if not needed <= state.keys():
                     self._init_state(group, p, state)
             params.append(None if state is None else p)
             grads.append(g)

@@ -46,8 +46,7 @@ inline void adamax_kernel(const detail::AdamaxCoeffs& c, const ParamBuffers& t,
     if (c.maximize) g = -g;
     if (c.use_weight_decay) g = fmadd(p, V::set1(c.weight_decay), g);
     V m = V::load(exp_avg + i);
-    m = c.lerp_from_end ? fmadd(V::set1(c.lerp_weight), g - m, g)
-                        : fmadd(V::set1(c.lerp_weight), g - m, m);
+    m = torch_lerp(m, g, c.lerp_weight, c.lerp_from_end);
     V u = V::load(exp_inf + i) * V::set1(c.beta2);
     u = maximum(u, abs(g) + V::set1(c.eps));
     p = p + V::set1(c.neg_clr) * m / u;

@@ -25,6 +25,8 @@ struct MomentCoeffs {
 }  // namespace roundpipe
 
 #ifdef ROUNDPIPE_ISA_NS
+#include "for_range.hpp"
+
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
@@ -44,8 +46,7 @@ inline Moments<V> update_moments(const detail::MomentCoeffs& c, const ParamBuffe
   if (c.weight_decay != 0.0f) g = fmadd(p, V::set1(c.weight_decay), g);
   if (c.decay != 1.0f) p = p * V::set1(c.decay);
   V m = V::load(exp_avg + i);
-  m = c.lerp_from_end ? fmadd(V::set1(c.lerp_weight), g - m, g)
-                      : fmadd(V::set1(c.lerp_weight), g - m, m);
+  m = torch_lerp(m, g, c.lerp_weight, c.lerp_from_end);
   V v = V::load(exp_avg_sq + i) * V::set1(c.beta2);
   v = fmadd(V::set1(c.one_minus_beta2) * g, g, v);
   m.store(exp_avg + i);

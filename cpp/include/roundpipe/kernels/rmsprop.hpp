@@ -61,8 +61,7 @@ inline void rmsprop_kernel(const detail::RMSpropCoeffs& c, const ParamBuffers& t
     V var = sa;
     if (c.centered) {
       V ga = V::load(grad_avg + i);
-      ga = c.lerp_from_end ? fmadd(V::set1(c.lerp_weight), g - ga, g)
-                           : fmadd(V::set1(c.lerp_weight), g - ga, ga);
+      ga = torch_lerp(ga, g, c.lerp_weight, c.lerp_from_end);
       ga.store(grad_avg + i);
       var = fmadd(-ga, ga, sa);
     }
