@@ -5,7 +5,7 @@ messages), and gathering a parameter group into the lists one C++ call takes."""
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -44,6 +44,19 @@ def check_betas(betas: Any) -> None:
     for i in (0, 1):
         if not 0.0 <= betas[i] < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]}")
+
+
+class StepStats(NamedTuple):
+    """What :meth:`CpuOptimizer.fused_step` saw in the gradients it applied.
+
+    Attributes:
+        found_inf: some gradient element (after unscaling) was inf or NaN.
+        grad_norm_sq: sum of squares of the unscaled gradients (float64 accumulation), or
+            None when ``grad_norm=False``.
+    """
+
+    found_inf: bool
+    grad_norm_sq: Optional[float]
 
 
 class CpuOptimizer(Optimizer):
@@ -118,35 +131,151 @@ class CpuOptimizer(Optimizer):
         raise NotImplementedError
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        """One kernel call over the group: lists in parameter order, ``None`` at every position
-        whose parameter has no gradient (the kernel skips it), an empty list for a state slot
-        the group does not use. Missing state is initialised first, as torch does."""
+        """One kernel call over the group with the parameters' own ``.grad``."""
+        self._step_tensors(group, group["params"], [p.grad for p in group["params"]])
+
+    def _step_tensors(self, group: dict[str, Any], params: list, grads: list,
+                      model_copies: list | None = None, io: Any = None) -> None:
+        """One kernel call over ``params`` (all of ``group``) with gradients ``grads``: lists in
+        parameter order, ``None`` at every position whose gradient is None (the kernel skips
+        it), an empty list for a state slot the group does not use. Missing state is
+        initialised first, as torch does."""
         name = type(self).__name__
         active = self._active_state_keys(group)
         needed = frozenset(self._scalar_keys + active)
-        params: list = []
-        grads: list = []
+        state_of = self.state
+        kparams: list = []
         states: list[list] = [[] for _ in self._state_keys]
-        in_use = [k in active for k in self._state_keys]
+        in_use = [(k, lst) for k, lst in zip(self._state_keys, states) if k in active]
         scalars: list[list] = [[] for _ in self._scalar_keys]
-        for p in group["params"]:
-            g = p.grad
+        scalar_lists = list(zip(self._scalar_keys, scalars))
+        for p, g in zip(params, grads):
             if g is None:
-                state = None
-            else:
-                if g.is_sparse:
-                    raise RuntimeError(f"{name} does not support sparse gradients")
-                state = self.state[p]
-                if not needed <= state.keys():
-                    self._init_state(group, p, state)
-            params.append(None if state is None else p)
-            grads.append(g)
-            for k, lst, use in zip(self._state_keys, states, in_use):
-                if use:
-                    lst.append(None if state is None else state[k])
-            for k, lst in zip(self._scalar_keys, scalars):
-                lst.append(None if state is None else state[k])
-        type(self)._kernel(self._options(group), params, grads, states, scalars)
+                kparams.append(None)
+                for _, lst in in_use:
+                    lst.append(None)
+                for _, lst in scalar_lists:
+                    lst.append(None)
+                continue
+            if g.is_sparse:
+                raise RuntimeError(f"{name} does not support sparse gradients")
+            state = state_of[p]
+            if not needed <= state.keys():
+                self._init_state(group, p, state)
+            kparams.append(p)
+            for k, lst in in_use:
+                lst.append(state[k])
+            for k, lst in scalar_lists:
+                lst.append(state[k])
+        type(self)._kernel(self._options(group), kparams, grads, states, scalars)
+
+    def _group_index(self) -> dict[int, int]:
+        """id(parameter) -> index of its param group, rebuilt when the groups change."""
+        key = tuple(id(g["params"]) for g in self.param_groups) + tuple(
+            len(g["params"]) for g in self.param_groups)
+        cached = getattr(self, "_group_index_cache", None)
+        if cached is None or cached[0] != key:
+            index = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+            cached = (key, index)
+            self._group_index_cache = cached
+        return cached[1]
+
+    @torch.no_grad()
+    def fused_step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                   model_copies: Optional[Sequence[torch.Tensor]] = None, *,
+                   grad_scale: Optional[float] = None, grad_norm: bool = False) -> StepStats:
+        """Steps only ``params``, with the gradients ``grads`` instead of their ``.grad``, and
+        writes the updated values into ``model_copies``: the mixed-precision entry point of
+        the pipeline (a layer's parameters are stepped as soon as its gradients are final).
+
+        The result equals, bit for bit, setting ``p.grad = g.float() * (1 / grad_scale)``
+        (the factor rounded to float32) for each pair, calling :meth:`step` on an optimizer
+        holding only these parameters (each with its own group's hyperparameters), then
+        ``copy.copy_(p)`` (round to nearest even). State is created and step counts advance
+        as in :meth:`step`; parameters' ``.grad`` are neither read nor changed.
+
+        Args:
+            params: parameters of this optimizer (float32, CPU, contiguous), each at most once.
+            grads: one gradient per parameter, same shape; float32, bfloat16 or float16, CPU,
+                contiguous. Read, never modified.
+            model_copies: optional, one tensor per parameter, same shape; float32, bfloat16 or
+                float16, CPU, contiguous: receives the updated parameter.
+            grad_scale: the gradients are multiplied by ``1 / grad_scale`` (e.g. a loss scale;
+                must be finite and > 0). The update is applied even when a gradient is inf or
+                NaN; check ``found_inf`` (or check the gradients before) to skip a step.
+            grad_norm: also return the squared L2 norm of the unscaled gradients.
+
+        Returns:
+            :class:`StepStats`.
+
+        Raises:
+            ValueError: a parameter is not in this optimizer or is given twice, the lists differ
+                in length, a tensor's shape differs from its parameter's, or ``grad_scale`` is
+                not finite and > 0.
+            TypeError: a tensor has the wrong dtype or device.
+            RuntimeError: a gradient is sparse.
+        Nothing is modified when a check fails.
+        """
+        name = f"roundpipe.optim.{type(self).__name__}.fused_step"
+        params, grads = list(params), list(grads)
+        copies = list(model_copies) if model_copies is not None else None
+        if len(grads) != len(params) or (copies is not None and len(copies) != len(params)):
+            raise ValueError(f"{name}: params, grads and model_copies must have the same length, "
+                             f"got {len(params)}, {len(grads)}"
+                             + (f", {len(copies)}" if copies is not None else ""))
+        if grad_scale is not None and not (isinstance(grad_scale, (int, float))
+                                           and 0.0 < grad_scale < float("inf")):
+            raise ValueError(f"{name}: grad_scale must be a finite number > 0, got {grad_scale!r}")
+        index = self._group_index()
+        by_group: dict[int, list[int]] = {}
+        seen: set[int] = set()
+        for i, p in enumerate(params):
+            gi = index.get(id(p))
+            if gi is None:
+                raise ValueError(f"{name}: params[{i}] is not a parameter of this optimizer")
+            if id(p) in seen:
+                raise ValueError(f"{name}: params[{i}] is given twice")
+            seen.add(id(p))
+            by_group.setdefault(gi, []).append(i)
+        for i, (p, g) in enumerate(zip(params, grads)):
+            tensors = [("grads", g)] + ([("model_copies", copies[i])] if copies is not None else [])
+            for what, t in tensors:
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name}: {what}[{i}] must be a tensor, got {type(t).__name__}")
+                if t.is_sparse:
+                    raise RuntimeError(f"{name}: {what}[{i}] is sparse")
+                if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise TypeError(f"{name}: {what}[{i}] must be float32, bfloat16 or float16, "
+                                    f"got {t.dtype}")
+                if t.device.type != "cpu":
+                    raise TypeError(f"{name}: {what}[{i}] must be a CPU tensor, got {t.device}")
+                if t.shape != p.shape:
+                    raise ValueError(f"{name}: {what}[{i}] has shape {tuple(t.shape)}, its "
+                                     f"parameter {tuple(p.shape)}")
+                if not t.is_contiguous():
+                    raise ValueError(f"{name}: {what}[{i}] must be contiguous")
+        inv = torch.tensor(1.0 / grad_scale if grad_scale is not None else 1.0, dtype=torch.float32)
+        found_inf, norm_sq = False, 0.0
+        scaled = []
+        for g in grads:
+            g32 = g.to(torch.float32) * inv
+            if not bool(torch.isfinite(g32).all()):
+                found_inf = True
+            if grad_norm:
+                norm_sq += float(g32.double().square().sum())
+            scaled.append(g32)
+        for gi, positions in sorted(by_group.items()):
+            group = self.param_groups[gi]
+            self._check_placeholders(group)
+            try:
+                self._step_tensors(group, [params[i] for i in positions],
+                                   [scaled[i] for i in positions])
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{name}: param group {gi}: {e}") from None
+            if copies is not None:
+                for i in positions:
+                    copies[i].copy_(params[i])
+        return StepStats(found_inf, norm_sq if grad_norm else None)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
