@@ -14,7 +14,8 @@ foreach(obj IN LISTS OBJECTS)
     # Only symbols the linker can see matter: global (upper-case type) or weak (W, V, u).
     if(line MATCHES "^[0-9a-f]+ ([A-Zuvw]) (.*)$")
       set(name "${CMAKE_MATCH_2}")
-      if(NOT name MATCHES "^roundpipe::${ISA}::" AND
+      # (a function template's instantiation is printed with its return type first)
+      if(NOT name MATCHES "^([A-Za-z_0-9]+ )?roundpipe::${ISA}::" AND
          NOT name MATCHES "^roundpipe::detail::${ISA}_kernels\\(\\)")
         list(APPEND leaks "  ${line}")
       endif()

@@ -86,7 +86,8 @@ struct Host {
 };
 
 template <class Options>
-using StepFn = void (*)(const Options&, const roundpipe::ParamBuffers*, std::size_t);
+using StepFn = void (*)(const Options&, const roundpipe::ParamBuffers*, std::size_t,
+                        roundpipe::StepIO*);
 
 // What the generic tests below need to know of one algorithm.
 template <class Options>
@@ -172,7 +173,7 @@ void compare_with_reference(const Algorithm<Options>& a, const Options& o, std::
   for (int s = 0; s < steps; ++s) {
     const std::vector<float> g = randn(n, rng, s % 2 ? 1e-3f : 3.0f);
     const roundpipe::ParamBuffers t = host.view(g);
-    a.step(o, &t, 1);
+    a.step(o, &t, 1, nullptr);
     ref.update(g);
   }
   expect_close(host.param, ref.param, "param", rtol, atol);
@@ -224,7 +225,7 @@ void expect_one_call_like_separate_calls(const Algorithm<Options>& a, const Opti
       for (int k = 0; k < i; ++k) {
         const std::vector<float> g = randn(n, rng);
         const roundpipe::ParamBuffers t = h.view(g);
-        a.step(o, &t, 1);
+        a.step(o, &t, 1, nullptr);
       }
       together.push_back(h);
       apart.push_back(h);
@@ -236,10 +237,10 @@ void expect_one_call_like_separate_calls(const Algorithm<Options>& a, const Opti
       for (const Host& h : together) grads.push_back(randn(h.param.size(), rng));
       std::vector<roundpipe::ParamBuffers> ts;
       for (std::size_t j = 0; j < together.size(); ++j) ts.push_back(together[j].view(grads[j]));
-      a.step(o, ts.data(), ts.size());
+      a.step(o, ts.data(), ts.size(), nullptr);
       for (std::size_t j = 0; j < apart.size(); ++j) {
         const roundpipe::ParamBuffers t = apart[j].view(grads[j]);
-        a.step(o, &t, 1);
+        a.step(o, &t, 1, nullptr);
       }
     }
     for (std::size_t j = 0; j < together.size(); ++j) {
@@ -267,7 +268,7 @@ void expect_thread_count_does_not_change_results(const Algorithm<Options>& a, co
       Host h = a.init(p0, o);
       for (const auto& g : grads) {
         const roundpipe::ParamBuffers t = h.view(g);
-        a.step(o, &t, 1);
+        a.step(o, &t, 1, nullptr);
       }
       results.push_back(h);
     }
@@ -295,7 +296,7 @@ void expect_non_finite_gradients_propagate(const Algorithm<Options>& a, const Op
     Host h = a.init(std::vector<float>(n, 1.0f), o);
     prepare(h);
     const roundpipe::ParamBuffers t = h.view(g);
-    a.step(o, &t, 1);
+    a.step(o, &t, 1, nullptr);
     EXPECT_TRUE(std::isnan(h.param[1]));
     EXPECT_TRUE(std::isnan(h.param[17]));
     EXPECT_TRUE(same_bits(h.param[16], h.param[0])) << h.param[16] << " vs " << h.param[0];
@@ -333,7 +334,7 @@ class BadArguments {
   void expect_error(const Options& o, const roundpipe::ParamBuffers* ts, std::size_t count,
                     const std::string& needle) {
     try {
-      a_.step(o, ts, count);
+      a_.step(o, ts, count, nullptr);
       ADD_FAILURE() << "no error for " << needle;
     } catch (const roundpipe::Error& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();

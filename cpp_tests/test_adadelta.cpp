@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "roundpipe/adadelta.hpp"
+#include "mixed_precision.hpp"
 #include "support.hpp"
 
 namespace {
@@ -75,6 +76,10 @@ TEST(Adadelta, OneCallUpdatesManyTensorsLikeSeparateCalls) {
 
 TEST(Adadelta, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kAdadelta, options(4 | 8));
+}
+
+TEST(Adadelta, MixedPrecisionPassEqualsItsComposition) {
+  rptest::expect_mixed_precision_like_composition(kAdadelta, options(4 | 8));
 }
 
 TEST(Adadelta, NonFiniteValuesPropagate) {

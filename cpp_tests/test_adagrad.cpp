@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "roundpipe/adagrad.hpp"
+#include "mixed_precision.hpp"
 #include "support.hpp"
 
 namespace {
@@ -94,6 +95,10 @@ TEST(Adagrad, OneCallUpdatesManyTensorsLikeSeparateCalls) {
 
 TEST(Adagrad, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kAdagrad, options(15));
+}
+
+TEST(Adagrad, MixedPrecisionPassEqualsItsComposition) {
+  rptest::expect_mixed_precision_like_composition(kAdagrad, options(15));
 }
 
 TEST(Adagrad, NonFiniteValuesPropagate) {

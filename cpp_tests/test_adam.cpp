@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "roundpipe/adam.hpp"
+#include "mixed_precision.hpp"
 #include "support.hpp"
 
 namespace {
@@ -85,6 +86,10 @@ TEST(Adam, OneCallUpdatesManyTensorsLikeSeparateCalls) {
 
 TEST(Adam, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kAdam, options(15));
+}
+
+TEST(Adam, MixedPrecisionPassEqualsItsComposition) {
+  rptest::expect_mixed_precision_like_composition(kAdam, options(15));
 }
 
 TEST(Adam, NonFiniteValuesPropagate) {

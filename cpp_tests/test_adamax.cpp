@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "roundpipe/adamax.hpp"
+#include "mixed_precision.hpp"
 #include "support.hpp"
 
 namespace {
@@ -96,6 +97,10 @@ TEST(Adamax, OneCallUpdatesManyTensorsLikeSeparateCalls) {
 
 TEST(Adamax, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kAdamax, options(7));
+}
+
+TEST(Adamax, MixedPrecisionPassEqualsItsComposition) {
+  rptest::expect_mixed_precision_like_composition(kAdamax, options(7));
 }
 
 TEST(Adamax, NonFiniteValuesPropagate) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "roundpipe/asgd.hpp"
+#include "mixed_precision.hpp"
 #include "support.hpp"
 
 namespace {
@@ -108,6 +109,10 @@ TEST(Asgd, OneCallKeepsEachTensorsOwnSchedule) {
 
 TEST(Asgd, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kAsgd, options(2 | 4));
+}
+
+TEST(Asgd, MixedPrecisionPassEqualsItsComposition) {
+  rptest::expect_mixed_precision_like_composition(kAsgd, options(2 | 4));
 }
 
 TEST(Asgd, NonFiniteValuesPropagate) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "roundpipe/nadam.hpp"
+#include "mixed_precision.hpp"
 #include "support.hpp"
 
 namespace {
@@ -109,6 +110,10 @@ TEST(NAdam, OneCallUpdatesTensorsAtDifferentStepsLikeSeparateCalls) {
 
 TEST(NAdam, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kNAdam, options(15));
+}
+
+TEST(NAdam, MixedPrecisionPassEqualsItsComposition) {
+  rptest::expect_mixed_precision_like_composition(kNAdam, options(15));
 }
 
 TEST(NAdam, NonFiniteValuesPropagate) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "roundpipe/radam.hpp"
+#include "mixed_precision.hpp"
 #include "support.hpp"
 
 namespace {
@@ -121,6 +122,11 @@ TEST(RAdam, OneCallUpdatesTensorsAtDifferentStepsLikeSeparateCalls) {
 TEST(RAdam, ThreadCountDoesNotChangeResults) {
   // 7 steps: rectified from step 6.
   rptest::expect_thread_count_does_not_change_results(kRAdam, options(7, kBeta2[0]), 7);
+}
+
+TEST(RAdam, MixedPrecisionPassEqualsItsComposition) {
+  // 7 steps: through the rectified branch from step 6.
+  rptest::expect_mixed_precision_like_composition(kRAdam, options(7, kBeta2[0]), 7);
 }
 
 TEST(RAdam, NonFiniteValuesPropagate) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "roundpipe/rmsprop.hpp"
+#include "mixed_precision.hpp"
 #include "support.hpp"
 
 namespace {
@@ -106,6 +107,10 @@ TEST(RMSprop, OneCallUpdatesManyTensorsLikeSeparateCalls) {
 
 TEST(RMSprop, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kRMSprop, options(31));
+}
+
+TEST(RMSprop, MixedPrecisionPassEqualsItsComposition) {
+  rptest::expect_mixed_precision_like_composition(kRMSprop, options(31));
 }
 
 TEST(RMSprop, NonFiniteValuesPropagate) {

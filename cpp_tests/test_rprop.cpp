@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "roundpipe/rprop.hpp"
+#include "mixed_precision.hpp"
 #include "support.hpp"
 
 namespace {
@@ -140,6 +141,10 @@ TEST(Rprop, OneCallUpdatesManyTensorsLikeSeparateCalls) {
 
 TEST(Rprop, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kRprop, options(4));
+}
+
+TEST(Rprop, MixedPrecisionPassEqualsItsComposition) {
+  rptest::expect_mixed_precision_like_composition(kRprop, options(4));
 }
 
 // torch.optim.Rprop's element-wise rules at the edges, on every ISA, in the vector body and in

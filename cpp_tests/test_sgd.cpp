@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "roundpipe/sgd.hpp"
+#include "mixed_precision.hpp"
 #include "support.hpp"
 
 namespace {
@@ -147,6 +148,10 @@ TEST(SGD, OneCallUpdatesManyTensorsLikeSeparateCalls) {
 
 TEST(SGD, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kSGD, options(1 | 2 | 8 | 16));
+}
+
+TEST(SGD, MixedPrecisionPassEqualsItsComposition) {
+  rptest::expect_mixed_precision_like_composition(kSGD, options(1 | 2 | 8 | 16));
 }
 
 TEST(SGD, NonFiniteValuesPropagate) {

@@ -10,7 +10,8 @@
 
 namespace roundpipe {
 
-void adadelta_step(const AdadeltaOptions& o, const ParamBuffers* tensors, std::size_t count) {
+void adadelta_step(const AdadeltaOptions& o, const ParamBuffers* tensors, std::size_t count,
+                   StepIO* io) {
   constexpr const char* fn = "adadelta_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "rho", o.rho, 0.0, 1.0);
@@ -18,7 +19,7 @@ void adadelta_step(const AdadeltaOptions& o, const ParamBuffers* tensors, std::s
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
   static const char* const state_names[] = {"square_avg", "acc_delta", nullptr};
   static const char* const scalar_names[] = {"step"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b011u, scalar_names, 1);
+  detail::check_buffers(fn, tensors, count, state_names, 0b011u, scalar_names, 1, io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   // The same for every tensor: Adadelta's update does not depend on the step count.
@@ -33,7 +34,7 @@ void adadelta_step(const AdadeltaOptions& o, const ParamBuffers* tensors, std::s
   };
   for (std::size_t i = 0; i < count; ++i) *tensors[i].scalar[AdadeltaState::step] += 1.0f;
   const std::vector<detail::AdadeltaCoeffs> coeffs(count, c);
-  detail::run_kernel(kernels.adadelta, coeffs.data(), tensors, count);
+  detail::run_kernel(kernels.adadelta, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -11,7 +11,8 @@
 
 namespace roundpipe {
 
-void adagrad_step(const AdagradOptions& o, const ParamBuffers* tensors, std::size_t count) {
+void adagrad_step(const AdagradOptions& o, const ParamBuffers* tensors, std::size_t count,
+                  StepIO* io) {
   constexpr const char* fn = "adagrad_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "lr_decay", o.lr_decay, 0.0);
@@ -19,7 +20,7 @@ void adagrad_step(const AdagradOptions& o, const ParamBuffers* tensors, std::siz
   detail::check_range(fn, "eps", o.eps, 0.0);
   static const char* const state_names[] = {"sum"};
   static const char* const scalar_names[] = {"step"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b1u, scalar_names, 1);
+  detail::check_buffers(fn, tensors, count, state_names, 0b1u, scalar_names, 1, io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   std::vector<detail::AdagradCoeffs> coeffs(count);
@@ -35,7 +36,7 @@ void adagrad_step(const AdagradOptions& o, const ParamBuffers* tensors, std::siz
         o.maximize,
     };
   }
-  detail::run_kernel(kernels.adagrad, coeffs.data(), tensors, count);
+  detail::run_kernel(kernels.adagrad, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

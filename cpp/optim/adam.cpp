@@ -11,7 +11,8 @@
 
 namespace roundpipe {
 
-void adam_step(const AdamOptions& o, const ParamBuffers* tensors, std::size_t count) {
+void adam_step(const AdamOptions& o, const ParamBuffers* tensors, std::size_t count,
+               StepIO* io) {
   constexpr const char* fn = "adam_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "beta1", o.beta1, 0.0, 1.0, true);
@@ -21,7 +22,7 @@ void adam_step(const AdamOptions& o, const ParamBuffers* tensors, std::size_t co
   static const char* const state_names[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   static const char* const scalar_names[] = {"step"};
   detail::check_buffers(fn, tensors, count, state_names, o.amsgrad ? 0b111u : 0b011u,
-                        scalar_names, 1);
+                        scalar_names, 1, io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   const detail::MomentCoeffs moments = detail::moment_coeffs(
@@ -41,7 +42,7 @@ void adam_step(const AdamOptions& o, const ParamBuffers* tensors, std::size_t co
         o.amsgrad,
     };
   }
-  detail::run_kernel(kernels.adam, coeffs.data(), tensors, count);
+  detail::run_kernel(kernels.adam, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -11,7 +11,8 @@
 
 namespace roundpipe {
 
-void adamax_step(const AdamaxOptions& o, const ParamBuffers* tensors, std::size_t count) {
+void adamax_step(const AdamaxOptions& o, const ParamBuffers* tensors, std::size_t count,
+                 StepIO* io) {
   constexpr const char* fn = "adamax_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "beta1", o.beta1, 0.0, 1.0, true);
@@ -20,7 +21,7 @@ void adamax_step(const AdamaxOptions& o, const ParamBuffers* tensors, std::size_
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
   static const char* const state_names[] = {"exp_avg", "exp_inf", nullptr};
   static const char* const scalar_names[] = {"step"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b011u, scalar_names, 1);
+  detail::check_buffers(fn, tensors, count, state_names, 0b011u, scalar_names, 1, io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   const detail::Lerp lerp = detail::lerp_coeff(1.0 - o.beta1);
@@ -42,7 +43,7 @@ void adamax_step(const AdamaxOptions& o, const ParamBuffers* tensors, std::size_
         o.maximize,
     };
   }
-  detail::run_kernel(kernels.adamax, coeffs.data(), tensors, count);
+  detail::run_kernel(kernels.adamax, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -12,13 +12,14 @@
 
 namespace roundpipe {
 
-void asgd_step(const AsgdOptions& o, const ParamBuffers* tensors, std::size_t count) {
+void asgd_step(const AsgdOptions& o, const ParamBuffers* tensors, std::size_t count,
+               StepIO* io) {
   constexpr const char* fn = "asgd_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
   static const char* const state_names[] = {"ax", nullptr, nullptr};
   static const char* const scalar_names[] = {"step", "eta", "mu"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b001u, scalar_names, 3);
+  detail::check_buffers(fn, tensors, count, state_names, 0b001u, scalar_names, 3, io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   std::vector<detail::AsgdCoeffs> coeffs(count);
@@ -46,7 +47,7 @@ void asgd_step(const AsgdOptions& o, const ParamBuffers* tensors, std::size_t co
     const double since_t0 = step - o.t0;
     mu_t = static_cast<float>(1.0 / (since_t0 > 1.0 ? since_t0 : 1.0));
   }
-  detail::run_kernel(kernels.asgd, coeffs.data(), tensors, count);
+  detail::run_kernel(kernels.asgd, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -8,6 +8,7 @@
 
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/error.hpp"
+#include "roundpipe/step_io.hpp"
 #include "roundpipe/kernels/moments.hpp"
 
 namespace roundpipe {
@@ -28,12 +29,20 @@ inline void check_range(const char* fn, const char* name, double x, double lo,
                 (hi_open ? ")" : "]") + ", got " + fmt(x));
 }
 
-// Checks that every tensor has what the algorithm needs: param, grad, the state arrays
-// state_names[k] for each k set in `state_mask` (unless numel == 0), and the scalars
-// scalar_names[0..num_scalars). Messages name `tensors[i].<slot name>`.
+// Checks that every tensor has what the algorithm needs: param, grad (or grad16, bfloat16 or
+// float16), the state arrays state_names[k] for each k set in `state_mask` (unless numel == 0),
+// the scalars scalar_names[0..num_scalars), a valid model_copy_dtype; and `io`'s grad_scale
+// (finite, > 0), whose outputs it resets. Messages name `tensors[i].<slot name>` or `io.<field>`.
 inline void check_buffers(const char* fn, const ParamBuffers* tensors, std::size_t count,
                           const char* const* state_names, unsigned state_mask,
-                          const char* const* scalar_names, int num_scalars) {
+                          const char* const* scalar_names, int num_scalars, StepIO* io) {
+  if (io) {
+    if (!(io->grad_scale > 0.0 && io->grad_scale < INFINITY))
+      throw Error(std::string(fn) + ": io.grad_scale must be finite and > 0, got " +
+                  fmt(io->grad_scale));
+    io->found_inf = false;
+    io->grad_norm_sq = 0.0;
+  }
   if (count != 0 && tensors == nullptr) throw Error(std::string(fn) + ": tensors is null");
   auto fail = [&](std::size_t i, const char* name) {
     throw Error(std::string(fn) + ": tensors[" + std::to_string(i) + "]." + name + " is null" +
@@ -42,7 +51,13 @@ inline void check_buffers(const char* fn, const ParamBuffers* tensors, std::size
   for (std::size_t i = 0; i < count; ++i) {
     const ParamBuffers& t = tensors[i];
     if (t.numel != 0 && !t.param) fail(i, "param");
-    if (t.numel != 0 && !t.grad) fail(i, "grad");
+    if (t.numel != 0 && !t.grad && !t.grad16) fail(i, "grad");
+    if (t.grad16 && t.grad16_dtype != Dtype::bfloat16 && t.grad16_dtype != Dtype::float16)
+      throw Error(std::string(fn) + ": tensors[" + std::to_string(i) +
+                  "].grad16_dtype must be bfloat16 or float16");
+    if (t.model_copy && static_cast<unsigned>(t.model_copy_dtype) > 2u)
+      throw Error(std::string(fn) + ": tensors[" + std::to_string(i) +
+                  "].model_copy_dtype is not a Dtype");
     for (int k = 0; k < ParamBuffers::kMaxState; ++k)
       if ((state_mask >> k & 1u) && t.numel != 0 && !t.state[k]) fail(i, state_names[k]);
     for (int k = 0; k < num_scalars; ++k)

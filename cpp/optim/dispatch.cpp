@@ -38,15 +38,16 @@ unsigned long long read_xcr0() {
 bool cpu_has(Isa isa) {
   unsigned int a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
-  const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12);
+  const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12),
+             f16c = c & (1u << 29);
   if (!osxsave || !avx) return false;
   const unsigned long long xcr0 = read_xcr0();
   const bool os_avx = (xcr0 & 0x6) == 0x6;          // SSE + AVX state
   const bool os_avx512 = (xcr0 & 0xe6) == 0xe6;     // + opmask, ZMM_Hi256, Hi16_ZMM
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   const bool avx2 = b & (1u << 5), avx512f = b & (1u << 16);
-  if (isa == Isa::avx2) return os_avx && avx2 && fma;
-  if (isa == Isa::avx512) return os_avx && os_avx512 && avx2 && fma && avx512f;
+  if (isa == Isa::avx2) return os_avx && avx2 && fma && f16c;
+  if (isa == Isa::avx512) return os_avx && os_avx512 && avx2 && fma && f16c && avx512f;
   return false;
 }
 #endif

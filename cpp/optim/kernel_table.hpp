@@ -8,6 +8,7 @@
 #include "roundpipe/kernels/adam.hpp"
 #include "roundpipe/kernels/adamax.hpp"
 #include "roundpipe/kernels/asgd.hpp"
+#include "roundpipe/kernels/mixed.hpp"
 #include "roundpipe/kernels/nadam.hpp"
 #include "roundpipe/kernels/radam.hpp"
 #include "roundpipe/kernels/rmsprop.hpp"
@@ -30,6 +31,10 @@ struct KernelTable {
   void (*stream)(const StreamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
   void (*adagrad)(const AdagradCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
   void (*rmsprop)(const RMSpropCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+  // the mixed-precision pass (kernels/mixed.hpp)
+  void (*stage_grad)(const ParamBuffers&, std::size_t begin, std::size_t n, float inv_scale,
+                     bool norm, float* out, GradStats& stats);
+  void (*store_model_copy)(const ParamBuffers&, std::size_t begin, std::size_t n);
 };
 
 // The table of the active ISA (roundpipe::active_isa()); throws roundpipe::Error as that does.

@@ -11,7 +11,8 @@
 
 namespace roundpipe {
 
-void nadam_step(const NAdamOptions& o, const ParamBuffers* tensors, std::size_t count) {
+void nadam_step(const NAdamOptions& o, const ParamBuffers* tensors, std::size_t count,
+                StepIO* io) {
   constexpr const char* fn = "nadam_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "beta1", o.beta1, 0.0, 1.0, true);
@@ -21,7 +22,7 @@ void nadam_step(const NAdamOptions& o, const ParamBuffers* tensors, std::size_t 
   detail::check_range(fn, "momentum_decay", o.momentum_decay, 0.0);
   static const char* const state_names[] = {"exp_avg", "exp_avg_sq"};
   static const char* const scalar_names[] = {"step", "mu_product"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b11u, scalar_names, 2);
+  detail::check_buffers(fn, tensors, count, state_names, 0b11u, scalar_names, 2, io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   const detail::MomentCoeffs moments = detail::moment_coeffs(
@@ -51,7 +52,7 @@ void nadam_step(const NAdamOptions& o, const ParamBuffers* tensors, std::size_t 
         static_cast<float>((-o.lr * mu_next) / (1.0 - mu_product_next)),
     };
   }
-  detail::run_kernel(kernels.nadam, coeffs.data(), tensors, count);
+  detail::run_kernel(kernels.nadam, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -12,7 +12,8 @@
 
 namespace roundpipe {
 
-void radam_step(const RAdamOptions& o, const ParamBuffers* tensors, std::size_t count) {
+void radam_step(const RAdamOptions& o, const ParamBuffers* tensors, std::size_t count,
+                StepIO* io) {
   constexpr const char* fn = "radam_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "beta1", o.beta1, 0.0, 1.0, true);
@@ -21,7 +22,7 @@ void radam_step(const RAdamOptions& o, const ParamBuffers* tensors, std::size_t 
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
   static const char* const state_names[] = {"exp_avg", "exp_avg_sq"};
   static const char* const scalar_names[] = {"step"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b11u, scalar_names, 1);
+  detail::check_buffers(fn, tensors, count, state_names, 0b11u, scalar_names, 1, io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   const detail::MomentCoeffs moments = detail::moment_coeffs(
@@ -52,7 +53,7 @@ void radam_step(const RAdamOptions& o, const ParamBuffers* tensors, std::size_t 
         static_cast<float>(rect),
     };
   }
-  detail::run_kernel(kernels.radam, coeffs.data(), tensors, count);
+  detail::run_kernel(kernels.radam, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -11,7 +11,8 @@
 
 namespace roundpipe {
 
-void rmsprop_step(const RMSpropOptions& o, const ParamBuffers* tensors, std::size_t count) {
+void rmsprop_step(const RMSpropOptions& o, const ParamBuffers* tensors, std::size_t count,
+                  StepIO* io) {
   constexpr const char* fn = "rmsprop_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "alpha", o.alpha, 0.0);
@@ -21,7 +22,7 @@ void rmsprop_step(const RMSpropOptions& o, const ParamBuffers* tensors, std::siz
   static const char* const state_names[] = {"square_avg", "momentum_buffer", "grad_avg"};
   static const char* const scalar_names[] = {"step"};
   const unsigned mask = 0b001u | (o.momentum > 0.0 ? 0b010u : 0u) | (o.centered ? 0b100u : 0u);
-  detail::check_buffers(fn, tensors, count, state_names, mask, scalar_names, 1);
+  detail::check_buffers(fn, tensors, count, state_names, mask, scalar_names, 1, io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   const detail::Lerp lerp = detail::lerp_coeff(1.0 - o.alpha);
@@ -40,7 +41,7 @@ void rmsprop_step(const RMSpropOptions& o, const ParamBuffers* tensors, std::siz
   };
   for (std::size_t i = 0; i < count; ++i) *tensors[i].scalar[RMSpropState::step] += 1.0f;
   const std::vector<detail::RMSpropCoeffs> coeffs(count, c);
-  detail::run_kernel(kernels.rmsprop, coeffs.data(), tensors, count);
+  detail::run_kernel(kernels.rmsprop, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <string>
 
+#include <vector>
+
 #include "check.hpp"
 #include "kernel_table.hpp"
 #include "parallel.hpp"
@@ -41,10 +43,11 @@ void rprop_init_state(const RpropOptions& o, const ParamBuffers& t) {
             static_cast<float>(o.lr));
 }
 
-void rprop_step(const RpropOptions& o, const ParamBuffers* tensors, std::size_t count) {
+void rprop_step(const RpropOptions& o, const ParamBuffers* tensors, std::size_t count,
+                StepIO* io) {
   constexpr const char* fn = "rprop_step";
   check_options(fn, o);
-  detail::check_buffers(fn, tensors, count, kStateNames, 0b11u, kScalarNames, 1);
+  detail::check_buffers(fn, tensors, count, kStateNames, 0b11u, kScalarNames, 1, io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   for (std::size_t i = 0; i < count; ++i) *tensors[i].scalar[RpropState::step] += 1.0f;
@@ -55,11 +58,8 @@ void rprop_step(const RpropOptions& o, const ParamBuffers* tensors, std::size_t 
       static_cast<float>(o.step_size_max),
       o.maximize,
   };
-  detail::for_each_chunk(
-      count, [&](std::size_t i) { return tensors[i].numel; },
-      [&](std::size_t i, std::size_t begin, std::size_t end) {
-        kernels.rprop(c, tensors[i], begin, end);
-      });
+  const std::vector<detail::RpropCoeffs> coeffs(count, c);
+  detail::run_kernel(kernels.rprop, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

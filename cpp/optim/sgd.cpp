@@ -12,7 +12,8 @@
 
 namespace roundpipe {
 
-void sgd_step(const SGDOptions& o, const ParamBuffers* tensors, std::size_t count) {
+void sgd_step(const SGDOptions& o, const ParamBuffers* tensors, std::size_t count,
+              StepIO* io) {
   constexpr const char* fn = "sgd_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "momentum", o.momentum, 0.0);
@@ -25,7 +26,7 @@ void sgd_step(const SGDOptions& o, const ParamBuffers* tensors, std::size_t coun
   static const char* const state_names[] = {"momentum_buffer"};
   static const char* const scalar_names[] = {"momentum_buffer_ready"};
   detail::check_buffers(fn, tensors, count, state_names, use_momentum ? 0b1u : 0u, scalar_names,
-                        use_momentum ? 1 : 0);
+                        use_momentum ? 1 : 0, io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   std::vector<detail::SGDCoeffs> coeffs(count);
@@ -45,7 +46,7 @@ void sgd_step(const SGDOptions& o, const ParamBuffers* tensors, std::size_t coun
     // Written only on the change, so a caller may pass one shared flag for ready buffers.
     if (fresh) *ready = 1.0f;
   }
-  detail::run_kernel(kernels.sgd, coeffs.data(), tensors, count);
+  detail::run_kernel(kernels.sgd, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

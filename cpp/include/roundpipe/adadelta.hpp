@@ -7,6 +7,7 @@
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/step_io.hpp"
 
 namespace roundpipe {
 
@@ -29,6 +30,7 @@ struct AdadeltaState {
 /// Each tensor's step (scalar[AdadeltaState::step]) is incremented (Adadelta itself does not
 /// use it). Throws roundpipe::Error naming the option or `tensors[i].<slot>` when an option is
 /// out of range or a required pointer is null; nothing is modified then.
-void adadelta_step(const AdadeltaOptions& options, const ParamBuffers* tensors, std::size_t count);
+void adadelta_step(const AdadeltaOptions& options, const ParamBuffers* tensors, std::size_t count,
+                   StepIO* io = nullptr);
 
 }  // namespace roundpipe

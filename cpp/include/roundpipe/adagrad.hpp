@@ -11,6 +11,7 @@
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/step_io.hpp"
 
 namespace roundpipe {
 
@@ -38,6 +39,7 @@ struct AdagradState {
 /// Each tensor's step (scalar[AdagradState::step]) is incremented first and its new value drives
 /// the learning-rate decay. Throws roundpipe::Error naming the option or `tensors[i].<slot>`
 /// when an option is out of range or a required pointer is null; nothing is modified then.
-void adagrad_step(const AdagradOptions& options, const ParamBuffers* tensors, std::size_t count);
+void adagrad_step(const AdagradOptions& options, const ParamBuffers* tensors, std::size_t count,
+                  StepIO* io = nullptr);
 
 }  // namespace roundpipe

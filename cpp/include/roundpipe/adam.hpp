@@ -10,6 +10,7 @@
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/step_io.hpp"
 
 namespace roundpipe {
 
@@ -35,5 +36,6 @@ struct AdamState {
 /// Each tensor's step (scalar[AdamState::step]) is incremented first and its new value drives
 /// the bias corrections. Throws roundpipe::Error naming the option or `tensors[i].<slot>` when
 /// an option is out of range or a required pointer is null; nothing is modified then.
-void adam_step(const AdamOptions& options, const ParamBuffers* tensors, std::size_t count);
+void adam_step(const AdamOptions& options, const ParamBuffers* tensors, std::size_t count,
+               StepIO* io = nullptr);
 }  // namespace roundpipe

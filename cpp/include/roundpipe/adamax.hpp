@@ -10,6 +10,7 @@
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/step_io.hpp"
 
 namespace roundpipe {
 
@@ -33,6 +34,7 @@ struct AdamaxState {
 /// Each tensor's step (scalar[AdamaxState::step]) is incremented first and its new value drives
 /// the bias correction. Throws roundpipe::Error naming the option or `tensors[i].<slot>` when an
 /// option is out of range or a required pointer is null; nothing is modified then.
-void adamax_step(const AdamaxOptions& options, const ParamBuffers* tensors, std::size_t count);
+void adamax_step(const AdamaxOptions& options, const ParamBuffers* tensors, std::size_t count,
+                 StepIO* io = nullptr);
 
 }  // namespace roundpipe

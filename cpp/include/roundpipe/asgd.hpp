@@ -12,6 +12,7 @@
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/step_io.hpp"
 
 namespace roundpipe {
 
@@ -38,6 +39,7 @@ struct AsgdState {
 /// mu are replaced by their values for the new step. Throws roundpipe::Error naming the option
 /// or `tensors[i].<slot>` when an option is out of range or a required pointer is null; nothing
 /// is modified then.
-void asgd_step(const AsgdOptions& options, const ParamBuffers* tensors, std::size_t count);
+void asgd_step(const AsgdOptions& options, const ParamBuffers* tensors, std::size_t count,
+               StepIO* io = nullptr);
 
 }  // namespace roundpipe

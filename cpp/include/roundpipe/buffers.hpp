@@ -1,10 +1,16 @@
 // The buffers of one parameter tensor, as every step function takes them.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 namespace roundpipe {
 
-/// One parameter tensor for a step call: contiguous float32 arrays of `numel` elements and the
+/// Element type of a mixed-precision gradient or model-copy array (ParamBuffers::grad16,
+/// ParamBuffers::model_copy). bfloat16 and float16 arrays hold the 16-bit patterns.
+enum class Dtype : std::uint8_t { float32, bfloat16, float16 };
+
+/// One parameter tensor for a step call: contiguous float32 arrays (the gradient may instead be
+/// bfloat16/float16, below) of `numel` elements and the
 /// tensor's 0-dim float32 state values (torch.optim keeps these as 0-dim float32 tensors).
 ///
 /// What each `state` and `scalar` slot holds is fixed per algorithm and named in its header
@@ -24,6 +30,15 @@ struct ParamBuffers {
   float* state[kMaxState] = {};         ///< per-element state, updated in place
   float* scalar[kMaxScalar] = {};       ///< 0-dim state ([0]: step), updated in place
   std::size_t numel = 0;
+
+  /// Mixed precision (optional; see roundpipe/step_io.hpp). When `grad16` is set, the gradient
+  /// is read from it as `grad16_dtype` (bfloat16 or float16) and `grad` is ignored: no float32
+  /// gradient array is needed. When `model_copy` is set, the updated parameter is also written
+  /// to it as `model_copy_dtype`, rounded to nearest even, in the same pass.
+  const std::uint16_t* grad16 = nullptr;
+  Dtype grad16_dtype = Dtype::bfloat16;
+  void* model_copy = nullptr;
+  Dtype model_copy_dtype = Dtype::bfloat16;
 };
 
 }  // namespace roundpipe

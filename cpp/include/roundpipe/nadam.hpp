@@ -12,6 +12,7 @@
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/step_io.hpp"
 
 namespace roundpipe {
 
@@ -39,6 +40,7 @@ struct NAdamState {
 /// mu_product is multiplied by mu_t. Throws roundpipe::Error naming the option or
 /// `tensors[i].<slot>` when an option is out of range or a required pointer is null; nothing
 /// is modified then.
-void nadam_step(const NAdamOptions& options, const ParamBuffers* tensors, std::size_t count);
+void nadam_step(const NAdamOptions& options, const ParamBuffers* tensors, std::size_t count,
+                StepIO* io = nullptr);
 
 }  // namespace roundpipe

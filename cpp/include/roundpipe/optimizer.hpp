@@ -22,7 +22,7 @@ namespace roundpipe {
 
 /// Specialised for each algorithm in roundpipe/optimizers.hpp:
 ///   static constexpr const char* name;                     e.g. "Adam"
-///   static void step(const Options&, const ParamBuffers*, std::size_t);
+///   static void step(const Options&, const ParamBuffers*, std::size_t, StepIO*);
 ///   static bool uses_state(const Options&, int slot);      which state slots the options need
 ///   static void init(const Options&, ParamBuffers& t);     fills a new tensor's state (arrays
 ///                                                          of t.numel elements, already zeroed)

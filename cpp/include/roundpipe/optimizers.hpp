@@ -20,10 +20,11 @@ namespace roundpipe {
 
 /// Traits of an algorithm whose first `NumState` state slots are always used and start as
 /// zeros, with its 0-dim values (step) starting at 0.
-template <class Options, void (*Step)(const Options&, const ParamBuffers*, std::size_t),
+template <class Options,
+          void (*Step)(const Options&, const ParamBuffers*, std::size_t, StepIO*),
           int NumState>
 struct ZeroInitTraits {
-  static void step(const Options& o, const ParamBuffers* t, std::size_t n) { Step(o, t, n); }
+  static void step(const Options& o, const ParamBuffers* t, std::size_t n) { Step(o, t, n, nullptr); }
   static bool uses_state(const Options&, int slot) { return slot < NumState; }
   static void init(const Options&, ParamBuffers&) {}
 };

@@ -12,6 +12,7 @@
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/step_io.hpp"
 
 namespace roundpipe {
 
@@ -38,6 +39,7 @@ struct RAdamState {
 /// rho_t > 5: p -= lr * m_hat * r_t * sqrt(1 - beta2^t) / (sqrt(v) + eps); otherwise
 /// p -= lr * m_hat. Throws roundpipe::Error naming the option or `tensors[i].<slot>` when an
 /// option is out of range or a required pointer is null; nothing is modified then.
-void radam_step(const RAdamOptions& options, const ParamBuffers* tensors, std::size_t count);
+void radam_step(const RAdamOptions& options, const ParamBuffers* tensors, std::size_t count,
+                StepIO* io = nullptr);
 
 }  // namespace roundpipe

@@ -17,6 +17,7 @@
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/step_io.hpp"
 
 namespace roundpipe {
 
@@ -45,6 +46,7 @@ struct RMSpropState {
 /// Each tensor's step (scalar[RMSpropState::step]) is incremented. Throws roundpipe::Error
 /// naming the option or `tensors[i].<slot>` when an option is out of range or a required
 /// pointer is null; nothing is modified then.
-void rmsprop_step(const RMSpropOptions& options, const ParamBuffers* tensors, std::size_t count);
+void rmsprop_step(const RMSpropOptions& options, const ParamBuffers* tensors, std::size_t count,
+                  StepIO* io = nullptr);
 
 }  // namespace roundpipe

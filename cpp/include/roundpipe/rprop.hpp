@@ -13,6 +13,7 @@
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/step_io.hpp"
 
 namespace roundpipe {
 
@@ -46,6 +47,7 @@ void rprop_init_state(const RpropOptions& options, const ParamBuffers& tensor);
 /// Each tensor's step is incremented (torch's count; the update does not use it). Throws
 /// roundpipe::Error naming the option or `tensors[i].<slot>` when an option is out of range or
 /// a required pointer is null; nothing is modified then.
-void rprop_step(const RpropOptions& options, const ParamBuffers* tensors, std::size_t count);
+void rprop_step(const RpropOptions& options, const ParamBuffers* tensors, std::size_t count,
+                StepIO* io = nullptr);
 
 }  // namespace roundpipe

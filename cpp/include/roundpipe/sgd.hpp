@@ -13,6 +13,7 @@
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/step_io.hpp"
 
 namespace roundpipe {
 
@@ -47,6 +48,7 @@ struct SGDState {
 /// Throws roundpipe::Error naming the option or `tensors[i].<slot>` when an option is out of
 /// range (or nesterov without momentum > 0 and dampening == 0) or a required pointer is null;
 /// nothing is modified then.
-void sgd_step(const SGDOptions& options, const ParamBuffers* tensors, std::size_t count);
+void sgd_step(const SGDOptions& options, const ParamBuffers* tensors, std::size_t count,
+              StepIO* io = nullptr);
 
 }  // namespace roundpipe

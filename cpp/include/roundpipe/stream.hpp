@@ -10,6 +10,7 @@
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/step_io.hpp"
 
 namespace roundpipe {
 
@@ -20,6 +21,7 @@ struct StreamOptions {
 /// Streams over `count` tensors: for each element, s = param + grad + state[0..states), then
 /// param and every state[k] are set to s. Throws roundpipe::Error if `states` is out of range or
 /// a needed pointer is null.
-void stream_step(const StreamOptions& options, const ParamBuffers* tensors, std::size_t count);
+void stream_step(const StreamOptions& options, const ParamBuffers* tensors, std::size_t count,
+                 StepIO* io = nullptr);
 
 }  // namespace roundpipe

@@ -10,6 +10,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 from torch.optim import Optimizer
 
+from .. import _C
+
 
 def scalar(x: Any) -> float:
     """A hyperparameter as a Python float (a 1-element tensor such as a tensor ``lr`` included)."""
@@ -105,7 +107,25 @@ class CpuOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``; 0-dim state saved in another floating
-        dtype (e.g. a float64 ``step``) is converted to the float32 the kernels keep."""
+        dtype (e.g. a float64 ``step``) is converted to the float32 the kernels keep.
+
+        Raises:
+            ValueError: (before anything changes) a per-element state tensor's shape differs from
+                its parameter's; the kernels compare only element and dimension counts.
+        """
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) == len(self.param_groups):
+            by_id = {saved: p for sg, g in zip(saved_groups, self.param_groups)
+                     for saved, p in zip(sg["params"], g["params"])}
+            for saved, p_state in state_dict.get("state", {}).items():
+                p = by_id.get(saved)
+                for key in self._state_keys:
+                    v = p_state.get(key) if p is not None else None
+                    if torch.is_tensor(v) and v.shape != p.shape:
+                        raise ValueError(
+                            f"roundpipe.optim.{type(self).__name__}.load_state_dict: state "
+                            f"{key!r} of parameter {saved} has shape {tuple(v.shape)}, the "
+                            f"parameter {tuple(p.shape)}")
         super().load_state_dict(state_dict)
         for p_state in self.state.values():
             for key in self._scalar_keys:
@@ -167,7 +187,7 @@ class CpuOptimizer(Optimizer):
                 lst.append(state[k])
             for k, lst in scalar_lists:
                 lst.append(state[k])
-        type(self)._kernel(self._options(group), kparams, grads, states, scalars)
+        type(self)._kernel(self._options(group), kparams, grads, states, scalars, model_copies, io)
 
     def _group_index(self) -> dict[int, int]:
         """id(parameter) -> index of its param group, rebuilt when the groups change."""
@@ -238,6 +258,9 @@ class CpuOptimizer(Optimizer):
             seen.add(id(p))
             by_group.setdefault(gi, []).append(i)
         for i, (p, g) in enumerate(zip(params, grads)):
+            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+                raise TypeError(f"{name}: params[{i}] must be a contiguous float32 CPU tensor, "
+                                f"got {p.dtype} on {p.device}")
             tensors = [("grads", g)] + ([("model_copies", copies[i])] if copies is not None else [])
             for what, t in tensors:
                 if not isinstance(t, torch.Tensor):
@@ -254,27 +277,22 @@ class CpuOptimizer(Optimizer):
                                      f"parameter {tuple(p.shape)}")
                 if not t.is_contiguous():
                     raise ValueError(f"{name}: {what}[{i}] must be contiguous")
-        inv = torch.tensor(1.0 / grad_scale if grad_scale is not None else 1.0, dtype=torch.float32)
+        io = _C.StepIO()
+        io.grad_scale = float(grad_scale) if grad_scale is not None else 1.0
+        io.want_grad_norm = bool(grad_norm)
         found_inf, norm_sq = False, 0.0
-        scaled = []
-        for g in grads:
-            g32 = g.to(torch.float32) * inv
-            if not bool(torch.isfinite(g32).all()):
-                found_inf = True
-            if grad_norm:
-                norm_sq += float(g32.double().square().sum())
-            scaled.append(g32)
         for gi, positions in sorted(by_group.items()):
             group = self.param_groups[gi]
             self._check_placeholders(group)
             try:
                 self._step_tensors(group, [params[i] for i in positions],
-                                   [scaled[i] for i in positions])
+                                   [grads[i] for i in positions],
+                                   [copies[i] for i in positions] if copies is not None else None,
+                                   io)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{name}: param group {gi}: {e}") from None
-            if copies is not None:
-                for i in positions:
-                    copies[i].copy_(params[i])
+            found_inf = found_inf or io.found_inf
+            norm_sq += io.grad_norm_sq
         return StepStats(found_inf, norm_sq if grad_norm else None)
 
     @torch.no_grad()

@@ -93,7 +93,7 @@ class Rprop(CpuOptimizer):
                 lr = lr.squeeze()  # torch's _to_scalar
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["prev"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step_size"] = torch.full_like(p.grad, lr)
+            state["step_size"] = torch.full_like(p, lr, memory_format=torch.preserve_format)
 
     def _options(self, group):
         o = _C.RpropOptions()

@@ -99,8 +99,9 @@ class SGD(CpuOptimizer):
             group.setdefault("differentiable", False)
             group.setdefault("fused", False)
 
-    def _step_group(self, group):
-        """One kernel call over the group, as torch.optim.SGD.step: without momentum no state
+    def _step_tensors(self, group, group_params, group_grads, model_copies=None, io=None):
+        """One kernel call over ``group_params`` with ``group_grads``, as torch.optim.SGD.step
+        (see CpuOptimizer._step_tensors): without momentum no state
         is read or created; with momentum a parameter without ``momentum_buffer`` gets one,
         stored only once the kernel has filled it, so a step that fails its checks leaves no
         unfilled buffer behind."""
@@ -110,8 +111,7 @@ class SGD(CpuOptimizer):
         buffers: list = []
         ready: list = []
         created: list = []
-        for p in group["params"]:
-            g = p.grad
+        for p, g in zip(group_params, group_grads):
             if g is not None and g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             params.append(None if g is None else p)
@@ -133,6 +133,7 @@ class SGD(CpuOptimizer):
         type(self)._kernel(
             self._options(group), params, grads,
             [buffers] if use_momentum else [], [ready] if use_momentum else [],
+            model_copies, io,
         )
         for p, buf in created:
             self.state[p]["momentum_buffer"] = buf

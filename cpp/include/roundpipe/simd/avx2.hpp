@@ -1,5 +1,5 @@
 // 8-lane float vector on AVX2 + FMA. Include only from the AVX2 translation unit (compiled with
-// -mavx2 -mfma), after defining ROUNDPIPE_ISA_NS; see scalar.hpp for why.
+// -mavx2 -mfma -mf16c), after defining ROUNDPIPE_ISA_NS; see scalar.hpp for why.
 #pragma once
 #include <immintrin.h>
 
@@ -18,6 +18,28 @@ struct Vec {
   static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   static Vec set1(float x) { return {_mm256_set1_ps(x)}; }
+  // 8 bfloat16 / IEEE half values (bit patterns); rounding as in scalar.hpp (F16C for half).
+  static Vec load_bf16(const std::uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
+  }
+  void store_bf16(std::uint16_t* p) const {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  static Vec load_f16(const std::uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  void store_f16(std::uint16_t* p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
 
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }

@@ -1,0 +1,99 @@
+// The two ends of the mixed-precision pass (roundpipe/step_io.hpp), written once over the SIMD
+// vector types: staging a chunk's gradient as float32 (converted, unscaled, checked, squared)
+// into a small buffer, and rounding the updated parameter into the model copy.
+#pragma once
+#include <cstddef>
+#include <cstring>
+#include <type_traits>
+
+#include "roundpipe/buffers.hpp"
+
+namespace roundpipe {
+namespace detail {
+
+// What a chunk's gradients held: `nonfinite` is NaN once an element was inf or NaN (sum of
+// g * 0), `sum_sq` the sum of their squares.
+struct GradStats {
+  float nonfinite = 0.0f;
+  double sum_sq = 0.0;
+};
+
+}  // namespace detail
+}  // namespace roundpipe
+
+#ifdef ROUNDPIPE_ISA_NS
+#include "for_range.hpp"
+
+namespace roundpipe {
+namespace ROUNDPIPE_ISA_NS {
+
+template <class V>
+inline V& lane_acc(Vec& vec_acc, Scalar& scalar_acc) {
+  if constexpr (std::is_same_v<V, Vec>) return vec_acc;
+  else return scalar_acc;
+}
+
+template <class Load>
+inline void stage_with(Load load, std::size_t n, float inv_scale, bool norm, float* out,
+                       detail::GradStats& stats) {
+  Vec vec_inf = Vec::set1(0.0f), vec_sq = Vec::set1(0.0f);
+  Scalar scalar_inf{0.0f}, scalar_sq{0.0f};
+  for_range(0, n, [&](auto tag, std::size_t i) {
+    using V = decltype(tag);
+    const V g = load(tag, i) * V::set1(inv_scale);
+    g.store(out + i);
+    V& inf = lane_acc<V>(vec_inf, scalar_inf);
+    inf = inf + g * V::set1(0.0f);
+    if (norm) {
+      V& sq = lane_acc<V>(vec_sq, scalar_sq);
+      sq = fmadd(g, g, sq);
+    }
+  });
+  float lanes[2][Vec::width];
+  vec_inf.store(lanes[0]);
+  vec_sq.store(lanes[1]);
+  float inf = scalar_inf.v;
+  double sq = scalar_sq.v;
+  for (std::size_t k = 0; k < Vec::width; ++k) {
+    inf += lanes[0][k];
+    sq += lanes[1][k];
+  }
+  stats.nonfinite += inf;
+  stats.sum_sq += sq;
+}
+
+// out[0, n) = float32 gradient of t's elements [begin, begin + n), times inv_scale.
+inline void stage_grad(const ParamBuffers& t, std::size_t begin, std::size_t n, float inv_scale,
+                       bool norm, float* out, detail::GradStats& stats) {
+  if (!t.grad16) {
+    const float* g = t.grad + begin;
+    stage_with([&](auto tag, std::size_t i) { return decltype(tag)::load(g + i); }, n, inv_scale,
+               norm, out, stats);
+  } else if (t.grad16_dtype == Dtype::bfloat16) {
+    const std::uint16_t* g = t.grad16 + begin;
+    stage_with([&](auto tag, std::size_t i) { return decltype(tag)::load_bf16(g + i); }, n,
+               inv_scale, norm, out, stats);
+  } else {
+    const std::uint16_t* g = t.grad16 + begin;
+    stage_with([&](auto tag, std::size_t i) { return decltype(tag)::load_f16(g + i); }, n,
+               inv_scale, norm, out, stats);
+  }
+}
+
+// t.model_copy's elements [begin, begin + n) = t.param's, rounded to t.model_copy_dtype.
+inline void store_model_copy(const ParamBuffers& t, std::size_t begin, std::size_t n) {
+  const float* p = t.param + begin;
+  if (t.model_copy_dtype == Dtype::float32) {
+    std::memcpy(static_cast<float*>(t.model_copy) + begin, p, n * sizeof(float));
+    return;
+  }
+  std::uint16_t* out = static_cast<std::uint16_t*>(t.model_copy) + begin;
+  if (t.model_copy_dtype == Dtype::bfloat16)
+    for_range(0, n, [&](auto tag, std::size_t i) { decltype(tag)::load(p + i).store_bf16(out + i); });
+  else
+    for_range(0, n, [&](auto tag, std::size_t i) { decltype(tag)::load(p + i).store_f16(out + i); });
+}
+
+}  // namespace ROUNDPIPE_ISA_NS
+}  // namespace roundpipe
+#endif
