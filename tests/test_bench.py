@@ -23,3 +23,13 @@ def test_benchmark_runs_and_writes_json(tmp_path):
         assert row["bytes_per_element"] == {"Adam": 28, "SGD": 20, "Rprop": 28}[row["algorithm"]]
         assert {"floor", "roundpipe", "torch foreach=False", "torch foreach=True"} <= set(row["ns_per_param"])
         assert all(v > 0 for v in row["ns_per_param"].values())
+    mixed = result["mixed"]
+    assert [row["algorithm"] for row in mixed] == ["Adam", "SGD", "Rprop"]
+    for row in mixed:
+        # bf16 gradient and copy: 2 + 2 bytes instead of a float32 gradient, a conversion
+        # (2 + 4) and a copy (4 + 2)
+        fp32 = {"Adam": 28, "SGD": 20, "Rprop": 28}[row["algorithm"]]
+        assert row["fused_bytes_per_element"] == fp32
+        assert row["separate_bytes_per_element"] == fp32 + 12
+        assert set(row["ns_per_param"]) == {"floor", "fused", "separate"}
+        assert all(v > 0 for v in row["ns_per_param"].values())

@@ -6,6 +6,11 @@
 - ``roundpipe.optim.X``;
 - ``torch.optim.X`` with ``foreach=False``, ``foreach=True`` and, where torch has one, ``fused=True``.
 
+A second table covers the fused mixed-precision pass (``CpuOptimizer.fused_step``: bfloat16
+gradient in, bfloat16 model copy out, in one pass) against the same work done separately
+(convert the gradient to float32, step, copy the parameter to bfloat16), with its own floor
+(``stream_step`` through the same fused pass, moving the same bytes).
+
 Each contender steps its own copy of the parameters and state; contenders are timed in turn,
 ``--repeats`` rounds, and the median is reported, so machine drift hits all alike. Also reported:
 a torch matrix multiply timed alone and right after one of our steps (the pool's workers must be
@@ -14,6 +19,7 @@ asleep, not spinning, when the step returns).
     python -m roundpipe.bench                        # all algorithms, three layouts, 1 thread
     python -m roundpipe.bench --algorithms Adam SGD --layouts 200x250k --threads 2
     python -m roundpipe.bench --scale 0.001 --repeats 2 --json out.json   # a quick run
+    python -m roundpipe.bench --mixed-layout none     # skip the mixed-precision table
 """
 
 from __future__ import annotations
@@ -137,7 +143,80 @@ def matmul_interference(repeats: int) -> dict[str, float]:
     return {"alone_ms": 1e3 * statistics.median(alone), "after_step_ms": 1e3 * statistics.median(after)}
 
 
-def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print) -> dict:
+def _mixed_contenders(name: str, count: int, size: int, gen: torch.Generator):
+    """name -> one step of: the fused pass's floor, fused_step (bf16 grad in, bf16 copy out),
+    and the same done separately; plus the bytes per element of the fused and separate ways."""
+    ours_cls = ALGORITHMS[name][0]
+    kwargs = dict(lr=1e-3, **KWARGS.get(name, {}))
+    fused_params = _params(count, size, gen)
+    grads16 = [p.grad.to(torch.bfloat16) for p in fused_params]
+    for p in fused_params:
+        p.grad = None
+    copies = [torch.empty_like(g) for g in grads16]
+    fused = ours_cls(fused_params, **kwargs)
+    fused.fused_step(fused_params, grads16, copies)  # creates the state
+    states = [k for k, v in fused.state[fused_params[0]].items() if torch.is_tensor(v) and v.dim() > 0]
+    sep_params = [torch.nn.Parameter(p.detach().clone()) for p in fused_params]
+    sep_copies = [c.clone() for c in copies]
+    separate = ours_cls(sep_params, **kwargs)
+
+    def separate_step():
+        for p, g in zip(sep_params, grads16):
+            p.grad = g.float()                      # convert: read 2, write 4 bytes
+        separate.step()                             # step on float32 gradients
+        torch._foreach_copy_(sep_copies, sep_params)  # copy: read 4, write 2 bytes
+
+    floor_params = [p.detach().clone() for p in fused_params]
+    floor_states = [[fused.state[p][k].clone() for p in fused_params] for k in states]
+    floor_copies = [c.clone() for c in copies]
+    floor_opts = _C.StreamOptions()
+    floor_opts.states = len(states)
+    steps = {
+        "floor": lambda: _C.stream_step(floor_opts, floor_params, grads16, floor_states, [],
+                                        floor_copies),
+        "fused": lambda: fused.fused_step(fused_params, grads16, copies),
+        "separate": separate_step,
+    }
+    fused_bytes = 2 + 4 * (2 * len(states) + 2) + 2
+    # separate: the float32 step moves as many bytes as the fused pass (a 4-byte gradient instead
+    # of a 2-byte gradient and a 2-byte copy), plus the conversion (2 + 4) and the copy (4 + 2)
+    return steps, fused_bytes, fused_bytes + 6 + 6
+
+
+def run_mixed(algorithms, layout: str, repeats: int, scale: float, log=print) -> list[dict]:
+    count, size = LAYOUTS[layout]
+    count = max(1, round(count * scale)) if count > 1 else 1
+    size = max(1, round(size * scale)) if count == 1 else size
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for name in algorithms:
+        steps, fused_bytes, separate_bytes = _mixed_contenders(name, count, size, gen)
+        med = _median_times(steps, repeats)
+        ns = {k: 1e9 * v / (count * size) for k, v in med.items()}
+        row = dict(algorithm=name, layout=layout, elements=count * size,
+                   fused_bytes_per_element=fused_bytes, separate_bytes_per_element=separate_bytes,
+                   ns_per_param=ns)
+        rows.append(row)
+        log(format_mixed_row(row))
+        del steps
+    return rows
+
+
+MIXED_HEADER = (f"{'algorithm':9s} {'layout':9s} {'B/el':>4s} {'floor ns':>9s} {'fused ns':>8s} "
+                f"{'GB/s':>6s} {'%floor':>6s} {'sep B/el':>8s} {'sep ns':>7s} {'speed-up':>8s}")
+
+
+def format_mixed_row(r: dict) -> str:
+    ns = r["ns_per_param"]
+    b = r["fused_bytes_per_element"]
+    return (f"{r['algorithm']:9s} {r['layout']:9s} {b:4d} {ns['floor']:9.3f} {ns['fused']:8.3f} "
+            f"{b / ns['fused']:6.1f} {100 * ns['floor'] / ns['fused']:5.0f}% "
+            f"{r['separate_bytes_per_element']:8d} {ns['separate']:7.3f} "
+            f"{ns['separate'] / ns['fused']:7.2f}x")
+
+
+def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print,
+        mixed_layout: str | None = None) -> dict:
     rpo.set_num_threads(threads)
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -155,9 +234,14 @@ def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print
             rows.append(row)
             log(format_row(row))
             del steps
+    mixed = []
+    if mixed_layout is not None:
+        log("mixed precision (bf16 gradient in, bf16 model copy out) vs convert + step + copy:")
+        log(MIXED_HEADER)
+        mixed = run_mixed(algorithms, mixed_layout, repeats, scale, log)
     return {"threads": threads, "isa": rpo.active_isa(), "repeats": repeats, "scale": scale,
             "rows": [dict(asdict(r), ours=r.ours, torch_best=r.torch_best) for r in rows],
-            "matmul": matmul_interference(repeats)}
+            "mixed": mixed, "matmul": matmul_interference(repeats)}
 
 
 HEADER = (f"{'algorithm':9s} {'layout':9s} {'B/el':>4s} {'floor ns':>9s} {'ours ns':>8s} "
@@ -182,12 +266,15 @@ def main(argv=None) -> None:
     ap.add_argument("--scale", type=float, default=1.0,
                     help="multiply every layout's element count by this factor (e.g. 0.01 for a "
                          "quick run)")
+    ap.add_argument("--mixed-layout", default="200x250k", choices=list(LAYOUTS) + ["none"],
+                    help="layout of the mixed-precision table (default 200x250k; none: skip it)")
     ap.add_argument("--json", help="also write the results as JSON to this file")
     args = ap.parse_args(argv)
     print(f"RoundPipe optimizer benchmark: ISA {rpo.active_isa()}, {args.threads} thread(s), "
           f"median of {args.repeats}; ns per parameter; %floor = floor time / our time")
     print(HEADER)
-    result = run(args.algorithms, args.layouts, args.threads, args.repeats, args.scale)
+    result = run(args.algorithms, args.layouts, args.threads, args.repeats, args.scale,
+                 mixed_layout=None if args.mixed_layout == "none" else args.mixed_layout)
     m = result["matmul"]
     print(f"512x512 matmul: {m['alone_ms']:.3f} ms alone, {m['after_step_ms']:.3f} ms right "
           f"after a RoundPipe step")
