@@ -164,7 +164,8 @@ using StepFn = void (*)(const Options&, const roundpipe::ParamBuffers*, std::siz
 // passed (its pointers stay null, which the step accepts only for a slot its options leave
 // unused). Gradients may be float32, bfloat16 or float16; model_copies (float32, bfloat16 or
 // float16) receive the updated parameters; `io` (StepIO) scales gradients and reports found_inf
-// and the squared gradient norm (roundpipe/step_io.hpp).
+// and the squared gradient norm (roundpipe/step_io.hpp). `num_threads` > 0 runs this call on that
+// many threads instead of num_threads() (a per-optimizer thread count).
 template <class Options>
 void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
               std::vector<const char*> state_names, std::vector<const char*> scalar_names,
@@ -174,7 +175,8 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
       [fn, name, state_names, scalar_names](const Options& options, nb::handle params_arg,
                                             nb::handle grads_arg, nb::handle states_arg,
                                             nb::handle scalars_arg, nb::handle copies_arg,
-                                            roundpipe::StepIO* io) {
+                                            roundpipe::StepIO* io, int num_threads) {
+        const roundpipe::ThreadCountScope threads(num_threads);
         const List params = as_list(params_arg, name, "params");
         const List grads = as_list(grads_arg, name, "grads");
         const List states_outer = as_list(states_arg, name, "states");
@@ -241,7 +243,8 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
         fn(options, tensors.data(), tensors.size(), io);
       },
       nb::arg("options"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
-      nb::arg("scalars"), nb::arg("model_copies") = nb::none(), nb::arg("io").none() = nb::none(), doc);
+      nb::arg("scalars"), nb::arg("model_copies") = nb::none(), nb::arg("io").none() = nb::none(),
+      nb::arg("num_threads") = 0, doc);
 }
 
 }  // namespace

@@ -36,14 +36,19 @@ inline std::uint16_t float_to_bf16(float x) {
   return std::uint16_t((pick_up ? up : down) >> 16);
 }
 
-// IEEE half through the compiler's _Float16 (round to nearest even).
+// IEEE half through the compiler's half type (round to nearest even).
+#if defined(__aarch64__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
 inline float f16_to_float(std::uint16_t h) {
-  _Float16 x;
+  Half x;
   std::memcpy(&x, &h, sizeof h);
   return float(x);
 }
 inline std::uint16_t float_to_f16(float x) {
-  const _Float16 h = static_cast<_Float16>(x);
+  const Half h = static_cast<Half>(x);
   std::uint16_t u;
   std::memcpy(&u, &h, sizeof u);
   return std::isnan(x) ? std::uint16_t((u & 0x8000u) | 0x7e00u) : u;

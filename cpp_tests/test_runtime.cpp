@@ -1,7 +1,9 @@
 // ISA selection and thread-count API (roundpipe/isa.hpp, roundpipe/threads.hpp).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <vector>
 #include <string>
 
 #include "roundpipe/optim.hpp"
@@ -46,6 +48,37 @@ TEST(Runtime, ThreadCount) {
   EXPECT_THROW(roundpipe::set_num_threads(0), roundpipe::Error);
   roundpipe::set_num_threads(3);
   EXPECT_EQ(roundpipe::num_threads(), 3);
+  roundpipe::set_num_threads(before);
+}
+
+// A per-call thread count (ThreadCountScope, Optimizer::set_num_threads) changes how the work is
+// split, never the result; scopes nest and restore; bad counts throw.
+TEST(Runtime, ThreadCountScopeAndPerOptimizerThreads) {
+  const int before = roundpipe::num_threads();
+  roundpipe::set_num_threads(1);
+  std::vector<float> grad(200003);
+  for (std::size_t i = 0; i < grad.size(); ++i) grad[i] = std::sin(float(i));
+  std::vector<float> results[3];
+  for (int threads : {0, 3, 2}) {
+    std::vector<float> p(grad.size(), 1.0f);
+    roundpipe::Adam opt;
+    opt.add_param(p.data(), grad.data(), p.size());
+    opt.set_num_threads(threads);
+    EXPECT_EQ(opt.num_threads(), threads);
+    {
+      const roundpipe::ThreadCountScope outer(4);  // the optimizer's count wins unless 0
+      opt.step();
+    }
+    opt.step();
+    results[threads == 0 ? 0 : threads - 1] = p;
+  }
+  EXPECT_EQ(results[1], results[0]);
+  EXPECT_EQ(results[2], results[0]);
+  EXPECT_THROW(roundpipe::ThreadCountScope(-1), roundpipe::Error);
+  EXPECT_THROW(roundpipe::ThreadCountScope(1025), roundpipe::Error);
+  roundpipe::Adam opt;
+  EXPECT_THROW(opt.set_num_threads(-2), roundpipe::Error);
+  EXPECT_EQ(opt.num_threads(), 0);
   roundpipe::set_num_threads(before);
 }
 

@@ -125,3 +125,24 @@ def test_loading_state_of_the_wrong_shape_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0 has shape \(3, 2\)"):
         opt.load_state_dict(sd)
     assert torch.equal(opt.state[p]["exp_avg"], before)
+
+
+def test_num_threads_per_optimizer_gives_the_same_result_and_is_checked():
+    a = [torch.randn(70000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    results = []
+    for threads in (None, 1, 3):
+        ps = [t.clone().requires_grad_() for t in a]
+        opt = rpo.Adam(ps, lr=0.1)
+        opt.num_threads = threads
+        for p in ps:
+            p.grad = torch.cos(p.detach())
+        opt.step()
+        opt.fused_step(ps, [p.grad.bfloat16() for p in ps])
+        results.append(ps)
+    for ps in results[1:]:
+        for p, q in zip(ps, results[0]):
+            assert torch.equal(p, q)
+    for bad in (0, -1, 1025, 2.0, True):
+        with pytest.raises(ValueError, match="num_threads"):
+            opt.num_threads = bad
+    assert opt.num_threads == 3

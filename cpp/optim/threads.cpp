@@ -2,6 +2,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <memory>
@@ -28,7 +29,7 @@ int default_threads() {
 class Pool {
  public:
   explicit Pool(int threads) {
-    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { work(i); });
   }
   ~Pool() {
     {
@@ -40,12 +41,15 @@ class Pool {
   }
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
-  void run(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) {
+  // Runs the tasks on the caller and the first `threads - 1` workers (the others wake and go
+  // back to sleep).
+  void run(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx, int threads) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       task_ = task;
       ctx_ = ctx;
       ntasks_ = ntasks;
+      active_ = threads;
       next_.store(0, std::memory_order_relaxed);
       pending_ = workers_.size();
       ++generation_;
@@ -61,7 +65,7 @@ class Pool {
     for (std::size_t k; (k = next_.fetch_add(1, std::memory_order_relaxed)) < ntasks_;)
       task_(ctx_, k);
   }
-  void work() {
+  void work(int index) {
     std::size_t seen = 0;
     for (;;) {
       {
@@ -70,7 +74,7 @@ class Pool {
         if (stop_) return;
         seen = generation_;
       }
-      drain();
+      if (index < active_) drain();
       std::lock_guard<std::mutex> lock(mutex_);
       if (--pending_ == 0) done_.notify_one();
     }
@@ -81,6 +85,7 @@ class Pool {
   std::condition_variable wake_, done_;
   bool stop_ = false;
   std::size_t generation_ = 0, pending_ = 0, ntasks_ = 0;
+  int active_ = 0;  // threads taking part in the current run, the caller included
   std::atomic<std::size_t> next_{0};
   void (*task_)(void*, std::size_t) = nullptr;
   void* ctx_ = nullptr;
@@ -90,6 +95,7 @@ constexpr int kMaxThreads = 1024;
 std::mutex g_call_mutex;  // one step at a time; guards g_threads and g_pool
 int g_threads = 0;        // 0: not yet read
 Pool* g_pool = nullptr;   // created on the first parallel step; leaked in a forked child
+thread_local int t_threads = 0;  // ThreadCountScope of the calling thread (0: none)
 
 int threads_locked() {
   if (g_threads == 0) g_threads = default_threads();
@@ -122,17 +128,30 @@ void set_num_threads(int n) {
   g_threads = n;
 }
 
+ThreadCountScope::ThreadCountScope(int n) : previous_(t_threads) {
+  if (n < 0 || n > kMaxThreads)
+    throw Error("ThreadCountScope: n must be in [0, " + std::to_string(kMaxThreads) + "], got " +
+                std::to_string(n));
+  if (n > 0) t_threads = n;
+}
+
+ThreadCountScope::~ThreadCountScope() { t_threads = previous_; }
+
 namespace detail {
 
 void run_tasks(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) {
   std::lock_guard<std::mutex> lock(g_call_mutex);
-  const int threads = threads_locked();
+  const int threads = t_threads > 0 ? t_threads : threads_locked();
   if (ntasks <= 1 || threads == 1) {
     for (std::size_t k = 0; k < ntasks; ++k) task(ctx, k);
     return;
   }
-  if (!g_pool) g_pool = new Pool(threads);
-  g_pool->run(ntasks, task, ctx);
+  if (g_pool && g_pool->threads() < threads) {  // a scope asks for more than the pool has
+    delete g_pool;
+    g_pool = nullptr;
+  }
+  if (!g_pool) g_pool = new Pool(std::max(threads, threads_locked()));
+  g_pool->run(ntasks, task, ctx, threads);
 }
 
 }  // namespace detail

@@ -17,6 +17,7 @@
 
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/error.hpp"
+#include "roundpipe/threads.hpp"
 
 namespace roundpipe {
 
@@ -79,8 +80,17 @@ class Optimizer {
       }
       for (int k = 0; k < ParamBuffers::kMaxScalar; ++k) t.scalar[k] = &p.state.scalar[k];
     }
+    ThreadCountScope threads(num_threads_);
     Traits::step(options_, buffers.data(), buffers.size());
   }
+
+  /// Threads this optimizer's steps use (0, the default: roundpipe::num_threads()). Throws
+  /// roundpipe::Error unless n is in [0, 1024].
+  void set_num_threads(int n) {
+    ThreadCountScope check(n);
+    num_threads_ = n;
+  }
+  int num_threads() const { return num_threads_; }
 
   /// The hyperparameters; changes apply from the next step (e.g. a learning-rate schedule).
   Options& options() { return options_; }
@@ -136,6 +146,7 @@ class Optimizer {
   }
 
   Options options_;
+  int num_threads_ = 0;  // 0: roundpipe::num_threads()
   std::vector<Param> params_;
 };
 

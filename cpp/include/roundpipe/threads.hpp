@@ -14,4 +14,18 @@ int num_threads();
 /// a step runs.
 void set_num_threads(int n);
 
+/// Within its lifetime, steps called from the constructing thread use `n` threads instead of
+/// num_threads(): a thread count per optimizer. Scopes nest; the innermost with n > 0 wins
+/// (n == 0 changes nothing). Throws roundpipe::Error unless n is in [0, 1024].
+class ThreadCountScope {
+ public:
+  explicit ThreadCountScope(int n);
+  ~ThreadCountScope();
+  ThreadCountScope(const ThreadCountScope&) = delete;
+  ThreadCountScope& operator=(const ThreadCountScope&) = delete;
+
+ private:
+  int previous_;
+};
+
 }  // namespace roundpipe

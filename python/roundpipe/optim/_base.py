@@ -98,6 +98,20 @@ class CpuOptimizer(Optimizer):
         self._check_placeholders(defaults)
         super().__init__(params, defaults)
 
+    @property
+    def num_threads(self) -> Optional[int]:
+        """Threads this optimizer's steps use; None (the default) follows
+        ``roundpipe.optim.num_threads()``. Set it to an int in [1, 1024] or None (ValueError
+        otherwise). Not part of ``state_dict``."""
+        return getattr(self, "_num_threads", None)
+
+    @num_threads.setter
+    def num_threads(self, n: Optional[int]) -> None:
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024):
+            raise ValueError(f"roundpipe.optim.{type(self).__name__}.num_threads must be None or "
+                             f"an int in [1, 1024], got {n!r}")
+        self._num_threads = n
+
     def _check_placeholders(self, group: dict[str, Any]) -> None:
         for flag in ("capturable", "differentiable"):
             if group.get(flag):
@@ -160,34 +174,30 @@ class CpuOptimizer(Optimizer):
         parameter order, ``None`` at every position whose gradient is None (the kernel skips
         it), an empty list for a state slot the group does not use. Missing state is
         initialised first, as torch does."""
-        name = type(self).__name__
         active = self._active_state_keys(group)
-        needed = frozenset(self._scalar_keys + active)
+        if any(g.is_sparse for g in grads if g is not None):
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         state_of = self.state
-        kparams: list = []
-        states: list[list] = [[] for _ in self._state_keys]
-        in_use = [(k, lst) for k, lst in zip(self._state_keys, states) if k in active]
-        scalars: list[list] = [[] for _ in self._scalar_keys]
-        scalar_lists = list(zip(self._scalar_keys, scalars))
-        for p, g in zip(params, grads):
-            if g is None:
-                kparams.append(None)
-                for _, lst in in_use:
-                    lst.append(None)
-                for _, lst in scalar_lists:
-                    lst.append(None)
-                continue
-            if g.is_sparse:
-                raise RuntimeError(f"{name} does not support sparse gradients")
-            state = state_of[p]
-            if not needed <= state.keys():
-                self._init_state(group, p, state)
-            kparams.append(p)
-            for k, lst in in_use:
-                lst.append(state[k])
-            for k, lst in scalar_lists:
-                lst.append(state[k])
-        type(self)._kernel(self._options(group), kparams, grads, states, scalars, model_copies, io)
+        pstates = [None if g is None else state_of[p] for p, g in zip(params, grads)]
+
+        def gather():  # per slot, the state of every parameter (None where skipped)
+            states = [[None if st is None else st[k] for st in pstates] if k in active else []
+                      for k in self._state_keys]
+            scalars = [[None if st is None else st[k] for st in pstates]
+                       for k in self._scalar_keys]
+            return states, scalars
+
+        try:
+            states, scalars = gather()
+        except KeyError:  # state not created yet (first step): created here as torch does
+            needed = frozenset(self._scalar_keys + active)
+            for p, st in zip(params, pstates):
+                if st is not None and not needed <= st.keys():
+                    self._init_state(group, p, st)
+            states, scalars = gather()
+        kparams = [None if st is None else p for p, st in zip(params, pstates)]
+        type(self)._kernel(self._options(group), kparams, grads, states, scalars, model_copies, io,
+                           self.num_threads or 0)
 
     def _group_index(self) -> dict[int, int]:
         """id(parameter) -> index of its param group, rebuilt when the groups change."""

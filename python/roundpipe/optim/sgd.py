@@ -133,7 +133,7 @@ class SGD(CpuOptimizer):
         type(self)._kernel(
             self._options(group), params, grads,
             [buffers] if use_momentum else [], [ready] if use_momentum else [],
-            model_copies, io,
+            model_copies, io, self.num_threads or 0,
         )
         for p, buf in created:
             self.state[p]["momentum_buffer"] = buf
