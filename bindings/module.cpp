@@ -250,7 +250,10 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
 }  // namespace
 
 NB_MODULE(_C, m) {
-  m.doc() = "RoundPipe CPU optimizer kernels (float32, CPU, contiguous tensors only).";
+  m.doc() =
+      "RoundPipe CPU optimizer kernels (float32, CPU, contiguous tensors; gradients may also be\n"
+      "bfloat16/float16). Every <algo>_step also takes model_copies=None (tensors receiving the\n"
+      "updated parameters as float32/bfloat16/float16), io=None (a StepIO) and num_threads=0.";
 
   nb::class_<roundpipe::StepIO>(
       m, "StepIO",
