@@ -64,7 +64,7 @@ inline std::uint16_t from_float(float x, roundpipe::Dtype d) {
 // The fused pass equals its composition: on every ISA, sizes across vector widths, the 2048
 // staging slice and the 16384 chunk; gradients given as float32, bfloat16 or float16 (each case
 // with a non-finite element or not); a model copy as none, float32, bfloat16 or float16;
-// grad_scale 1 or 1024; grad norm wanted or not. Also checks found_inf and grad_norm_sq (against
+// grad_scale 1 or 1024; the copy aligned for non-temporal stores or not. Also checks found_inf and grad_norm_sq (against
 // a float64 sum of the unscaled gradients' squares).
 template <class Options>
 void expect_mixed_precision_like_composition(const Algorithm<Options>& a, const Options& o,
@@ -85,7 +85,12 @@ void expect_mixed_precision_like_composition(const Algorithm<Options>& a, const 
                            " copy dtype " + std::to_string(cd) + " scale " + std::to_string(scale) +
                            (inject_inf ? " with inf" : ""));
               Host fused = a.init(randn(n, rng), o), plain = fused;
-              std::vector<std::uint16_t> copy(n, 0xdead), want_copy(n);
+              // the 16-bit copy 64-byte aligned (non-temporal stores) for scale 1, one element
+              // past that (plain stores) for scale 1024
+              std::vector<std::uint16_t> copy_buffer(n + 64, 0xdead);
+              std::uint16_t* copy = copy_buffer.data();
+              while (reinterpret_cast<std::uintptr_t>(copy) % 64 != 0) ++copy;
+              if (scale != 1.0) ++copy;
               std::vector<float> copy32(n, -1.0f);
               for (int s = 0; s < steps; ++s) {
                 // the gradient as the caller holds it, and the float32 the composition uses
@@ -110,7 +115,7 @@ void expect_mixed_precision_like_composition(const Algorithm<Options>& a, const 
                 }
                 if (cd >= 0) {
                   t.model_copy = Dtype(cd) == Dtype::float32 ? static_cast<void*>(copy32.data())
-                                                             : static_cast<void*>(copy.data());
+                                                             : static_cast<void*>(copy);
                   t.model_copy_dtype = Dtype(cd);
                 }
                 roundpipe::StepIO io;

@@ -80,7 +80,9 @@ inline void stage_grad(const ParamBuffers& t, std::size_t begin, std::size_t n, 
   }
 }
 
-// t.model_copy's elements [begin, begin + n) = t.param's, rounded to t.model_copy_dtype.
+// t.model_copy's elements [begin, begin + n) = t.param's, rounded to t.model_copy_dtype. The
+// copy is a write-only stream: where the ISA has them and the slice is aligned, non-temporal
+// stores write it without first reading its cache lines.
 inline void store_model_copy(const ParamBuffers& t, std::size_t begin, std::size_t n) {
   const float* p = t.param + begin;
   if (t.model_copy_dtype == Dtype::float32) {
@@ -88,10 +90,18 @@ inline void store_model_copy(const ParamBuffers& t, std::size_t begin, std::size
     return;
   }
   std::uint16_t* out = static_cast<std::uint16_t*>(t.model_copy) + begin;
-  if (t.model_copy_dtype == Dtype::bfloat16)
-    for_range(0, n, [&](auto tag, std::size_t i) { decltype(tag)::load(p + i).store_bf16(out + i); });
-  else
-    for_range(0, n, [&](auto tag, std::size_t i) { decltype(tag)::load(p + i).store_f16(out + i); });
+  const bool bf16 = t.model_copy_dtype == Dtype::bfloat16;
+  const bool stream = reinterpret_cast<std::uintptr_t>(out) % Vec::stream_align == 0;
+  for_range(0, n, [&](auto tag, std::size_t i) {
+    using V = decltype(tag);
+    const V x = V::load(p + i);
+    if (stream) {
+      if (bf16) x.stream_bf16(out + i); else x.stream_f16(out + i);
+    } else {
+      if (bf16) x.store_bf16(out + i); else x.store_f16(out + i);
+    }
+  });
+  if (stream) Vec::stream_fence();
 }
 
 }  // namespace ROUNDPIPE_ISA_NS

@@ -23,22 +23,36 @@ struct Vec {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
   }
-  void store_bf16(std::uint16_t* p) const {
+  void store_bf16(std::uint16_t* p) const { store16(p, bf16_bits(), false); }
+  void store_f16(std::uint16_t* p) const { store16(p, f16_bits(), false); }
+  // Non-temporal versions (p 16-byte aligned): for a write-only stream, no read for ownership.
+  void stream_bf16(std::uint16_t* p) const { store16(p, bf16_bits(), true); }
+  void stream_f16(std::uint16_t* p) const { store16(p, f16_bits(), true); }
+  // Orders this thread's non-temporal stores before what follows.
+  static void stream_fence() { _mm_sfence(); }
+  static constexpr std::size_t stream_align = 16;
+
+ private:
+  static void store16(std::uint16_t* p, __m128i bits, bool nontemporal) {
+    if (nontemporal)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(p), bits);
+    else
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bits);
+  }
+  __m128i bf16_bits() const {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
     r = _mm256_srli_epi32(r, 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   }
+  __m128i f16_bits() const { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+ public:
   static Vec load_f16(const std::uint16_t* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
-  }
-  void store_f16(std::uint16_t* p) const {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }

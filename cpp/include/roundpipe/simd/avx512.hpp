@@ -23,20 +23,35 @@ struct Vec {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
   }
-  void store_bf16(std::uint16_t* p) const {
+  void store_bf16(std::uint16_t* p) const { store16(p, bf16_bits(), false); }
+  void store_f16(std::uint16_t* p) const { store16(p, f16_bits(), false); }
+  // Non-temporal versions (p 32-byte aligned): for a write-only stream, no read for ownership.
+  void stream_bf16(std::uint16_t* p) const { store16(p, bf16_bits(), true); }
+  void stream_f16(std::uint16_t* p) const { store16(p, f16_bits(), true); }
+  // Orders this thread's non-temporal stores before what follows.
+  static void stream_fence() { _mm_sfence(); }
+  static constexpr std::size_t stream_align = 32;
+
+ private:
+  static void store16(std::uint16_t* p, __m256i bits, bool nontemporal) {
+    if (nontemporal)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bits);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
+  }
+  __m256i bf16_bits() const {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
     r = _mm512_srli_epi32(r, 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
   }
+  __m256i f16_bits() const { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+ public:
   static Vec load_f16(const std::uint16_t* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
-  }
-  void store_f16(std::uint16_t* p) const {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }

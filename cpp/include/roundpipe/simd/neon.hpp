@@ -30,6 +30,12 @@ struct Vec {
     const uint16x4_t nan = vmovn_u32(vmvnq_u32(vceqq_f32(v, v)));
     vst1_u16(p, vbsl_u16(nan, vdup_n_u16(0x7fc0), r));
   }
+  // No non-temporal stores here: the plain ones.
+  void stream_bf16(std::uint16_t* p) const { store_bf16(p); }
+  void stream_f16(std::uint16_t* p) const { store_f16(p); }
+  // Orders this thread's non-temporal stores before what follows.
+  static void stream_fence() {  }
+  static constexpr std::size_t stream_align = 1;
   static Vec load_f16(const std::uint16_t* p) {
     return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))};
   }

@@ -29,6 +29,11 @@ struct Scalar {
   static Scalar load_f16(const std::uint16_t* p);
   void store_bf16(std::uint16_t* p) const;
   void store_f16(std::uint16_t* p) const;
+  // One element: no non-temporal store, the plain one.
+  void stream_bf16(std::uint16_t* p) const { store_bf16(p); }
+  void stream_f16(std::uint16_t* p) const { store_f16(p); }
+  static void stream_fence() {}
+  static constexpr std::size_t stream_align = 1;
   static Scalar set1(float x) { return {x}; }
 
   friend Scalar operator+(Scalar a, Scalar b) { return {a.v + b.v}; }
