@@ -78,11 +78,12 @@ struct Tensor {
 };
 
 // Checks one tensor and returns its data. `like` (if given) is the parameter it belongs to,
-// whose number of elements and of dimensions it must have. The shape itself is not compared:
+// whose number of elements and of dimensions it must have; `read_dim` reads the dimension count
+// of a tensor that will serve as `like`. The shape itself is not compared:
 // reading it costs more than all other checks together; torch checks a gradient's shape when it
 // is assigned to .grad, and roundpipe.optim checks loaded state against the parameters.
 Tensor checked(PyObject* t, const char* fn, const char* arg, std::size_t i, Accept accept,
-               const Tensor* like) {
+               const Tensor* like, bool read_dim = false) {
   const Torch& T = torch_api();
   if (!PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(T.tensor_type)))
     throw nb::type_error((where(fn, arg, i) + " must be a torch.Tensor, got " +
@@ -108,14 +109,16 @@ Tensor checked(PyObject* t, const char* fn, const char* arg, std::size_t i, Acce
   const Py_ssize_t numel = PyLong_AsSsize_t(call(t, T.numel).ptr());
   if (numel < 0) throw nb::python_error();
   out.numel = static_cast<std::size_t>(numel);
-  out.ndim = PyLong_AsLong(call(t, T.dim).ptr());
-  if (out.ndim < 0) throw nb::python_error();
+  if (like || read_dim) {
+    out.ndim = PyLong_AsLong(call(t, T.dim).ptr());
+    if (out.ndim < 0) throw nb::python_error();
+  }
   if (like && (out.numel != like->numel || out.ndim != like->ndim))
     throw nb::value_error((where(fn, arg, i) + " must have the shape of params[" +
                            std::to_string(i) + "] (" + std::to_string(like->numel) +
                            " elements in " + std::to_string(like->ndim) + " dimensions), got " +
                            std::to_string(out.numel) + " in " + std::to_string(out.ndim)).c_str());
-  if (numel != 0 && call(t, T.is_contiguous).ptr() != Py_True)
+  if (numel > 1 && call(t, T.is_contiguous).ptr() != Py_True)
     throw nb::value_error((where(fn, arg, i) + " must be contiguous").c_str());
   out.data = PyLong_AsVoidPtr(call(t, T.data_ptr).ptr());
   if (PyErr_Occurred()) throw nb::python_error();
@@ -207,7 +210,7 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
           PyObject* p = params[i];
           if (p == Py_None) continue;
           roundpipe::ParamBuffers t;
-          const Tensor param = checked(p, name, "params", i, Accept::float32, nullptr);
+          const Tensor param = checked(p, name, "params", i, Accept::float32, nullptr, true);
           t.param = static_cast<float*>(param.data);
           t.numel = param.numel;
           const Tensor g = checked(present(grads, name, i), name, "grads", i, Accept::any_float,
