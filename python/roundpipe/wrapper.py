@@ -181,6 +181,7 @@ class _Pass:
                 parts = sorted(self.deferred.pop(i, []), key=lambda kv: kv[0])
             for _, g in parts:
                 owner._add_grad(i, g)
+        owner._flush_stale(final)  # an asynchronous step's update, now that the pass is past it
         if self.optimizer is not None and final:
             owner._submit_exact_step(self.optimizer, final)
         self.stage_done[stage.index].set(True)
@@ -317,6 +318,7 @@ class RoundPipe(nn.Module):
         self._grads: list[Optional[torch.Tensor]] = [None] * len(self._model_params)
         self._synced = [self._version(p) for p in self._model_params]
         self._recompute_store: dict = {}
+        self._stale: set[int] = set()  # model copies behind their optimizer copies (async step)
         self._build_maps()
         self._runtime_init()
 
@@ -410,6 +412,7 @@ class RoundPipe(nn.Module):
     def __getstate__(self):
         """Pickling and ``copy.deepcopy`` wait for pending optimizer work and leave the threads
         and device state out (the copy makes its own)."""
+        self._flush_stale(range(len(self._model_params)))
         self._wait_background()
         return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
 
@@ -568,8 +571,13 @@ class RoundPipe(nn.Module):
             if isinstance(optimizer, CpuOptimizer):
                 exact = (optimizer, _snapshot(optimizer))
         run = _Pass(self, mbs, True, label is not None, loss_fn, return_outputs, exact)
+        with self._bg_lock:
+            earlier = list(self._bg_futures)  # the previous step, if still running
         try:
             self._run_pass(run)
+            # that step's error (if any) surfaces in this call, whatever the timing
+            cf.wait(earlier)
+            self._raise_background_error()
             total = torch.zeros((), dtype=torch.float64)
             for t, event in run.totals:
                 self._io[0].host_wait(event)
@@ -601,29 +609,33 @@ class RoundPipe(nn.Module):
           the updated values (rounded to the model dtype) — also when ``step_fn`` raises, so
           the two copies never disagree;
         - an optimizer ``opt``: the same as ``lambda: (opt.step(), opt.zero_grad())``, bit for
-          bit. A :class:`roundpipe.optim.CpuOptimizer` is stepped layer by layer with its fused
-          entry point (gradients in, model copy out), so with ``is_async=True`` each layer
-          becomes usable as soon as its own update is written. The optimizer's hyperparameters
-          are read when ``step`` is called (a snapshot), so ``scheduler.step()`` right after
-          ``step`` is safe and affects the next step, as in a synchronous loop; its
-          ``state_dict``, ``load_state_dict`` and ``step`` wait for the pending update.
+          bit (a :class:`roundpipe.optim.CpuOptimizer` is stepped layer by layer through its
+          fused entry point). Its hyperparameters are read when ``step`` is called (a
+          snapshot), so ``scheduler.step()`` right after ``step`` affects the next step, as in
+          a synchronous loop; its ``step``, ``state_dict`` and ``load_state_dict`` wait for a
+          pending update.
 
         The gradients are cleared in both cases.
 
-        ``is_async=True`` returns at once (``None``); the update runs on the optimizer thread
-        while the caller goes on, e.g. into the next :meth:`forward_backward`, whose stages wait
-        only for their own layers' updates. The update computed from iteration t's gradients is
-        thus applied while iteration t+1 runs: iteration t+1's forward uses the weights *after*
-        step t for every layer (each layer waits for its own update), so the arithmetic is the
-        same as the synchronous loop; what overlaps is the optimizer work with the next pass.
-        (Gradients of t+1 go to new buffers.) Rules while a step is pending: anything
-        ``step_fn`` touches belongs to the optimizer thread until :meth:`synchronize` (with a
-        callable, do LR scheduling and logging of optimizer state inside ``step_fn`` or after
-        :meth:`synchronize`; an optimizer passed directly is protected as said above); change
-        weights only after :meth:`synchronize`. An exception in the background is re-raised,
-        with its traceback, at the next call into the wrapper (``forward``,
-        ``forward_backward``, ``step``, ``synchronize``, ``state_dict``, ``load_state_dict``),
-        which then discards the gradients accumulated since and leaves the wrapper usable.
+        **Asynchronous step** (``is_async=True``) returns at once (``None``); the update runs
+        on the optimizer thread while the caller goes on into the next :meth:`forward_backward`,
+        which starts immediately: the update computed from iteration t's gradients is applied
+        while iteration t+1 runs, so iteration t+1 computes with the weights from before step t
+        (one step of staleness: ``W[t+1] = W[t] - update(grad(W[t-1]))``, as in delayed
+        parameter updates). Each layer's model copy takes the new values right after that
+        layer's backward in iteration t+1 (once its update is done), so iteration t+2's upload
+        of a layer waits only for that layer. :meth:`synchronize` (also called by a synchronous
+        step, ``state_dict``, ``load_state_dict``, ``zero_grad`` and pickling) waits for the
+        update and writes back every layer: the copies agree again and there is no staleness
+        after it. Rules while an update is pending: what ``step_fn`` touches belongs to the
+        optimizer thread (with a callable, do LR scheduling and logging of optimizer state
+        inside ``step_fn`` or after :meth:`synchronize`; an optimizer passed directly is
+        protected as said above); change weights only after :meth:`synchronize`. An exception
+        in the background is re-raised, with its traceback, at the next call into the wrapper
+        (``forward``, ``forward_backward``, ``step``, ``synchronize``, ``state_dict``,
+        ``load_state_dict``; at the latest by the end of the next ``forward_backward``, which
+        waits for the step before it returns), which then discards the gradients accumulated
+        since; the wrapper stays usable (the model copies are written back as usual).
 
         Returns:
             What ``step_fn`` returns (None for an optimizer, and with ``is_async=True``).
@@ -638,30 +650,36 @@ class RoundPipe(nn.Module):
         if not is_opt and not callable(step_fn):
             raise TypeError("RoundPipe.step: step_fn must be a callable or a torch.optim."
                             f"Optimizer, got {type(step_fn).__name__}")
-        self.synchronize()
-        self._refresh_optim_copies()
+        if is_async:
+            self._raise_background_error()
+        else:
+            self.synchronize()
+        if self._background_idle():
+            self._refresh_optim_copies()
         grads, self._grads = self._grads, [None] * len(self._model_params)
         if is_opt:
             self._hook_optimizer(step_fn)
-            job = functools.partial(self._optimizer_job, step_fn, _snapshot(step_fn), grads)
+            job = functools.partial(self._optimizer_job, step_fn, _snapshot(step_fn), grads,
+                                    not is_async)
         else:
-            job = functools.partial(self._callable_job, step_fn, grads)
-        layers = range(len(self._layers))
+            job = functools.partial(self._callable_job, step_fn, grads, not is_async)
         if not is_async:
-            self._gates.block(layers)
-            return self._run_job(job, layers, in_background=False)
-        self._submit(job, layers)
+            return self._run_job(job, (), in_background=False)
+        self._stale.update(range(len(self._model_params)))
+        self._submit(job, ())
         return None
 
     def synchronize(self) -> None:
         """Waits until all optimizer work handed to the background (asynchronous steps, exact
-        overlapped mode) is done, then raises its error if it failed (see :meth:`step`)."""
+        overlapped mode) is done and the model copies hold every update, then raises the
+        background error if there was one (see :meth:`step`)."""
+        self._flush_stale(range(len(self._model_params)))
         self._wait_background()
         self._raise_background_error()
 
     # background jobs: each gets release(layer) to call as soon as a layer's model copy is final
 
-    def _callable_job(self, step_fn, grads, release) -> Any:
+    def _callable_job(self, step_fn, grads, write_back: bool, release) -> Any:
         for o, g in zip(self._optim_params, grads):
             o.grad = g
         try:
@@ -670,11 +688,13 @@ class RoundPipe(nn.Module):
         finally:
             for o in self._optim_params:
                 o.grad = None
-            self._write_back_layers(range(len(self._layers)), release)
+            if write_back:
+                self._write_back_layers(range(len(self._layers)), release)
 
-    def _optimizer_job(self, opt, snapshot, grads, release) -> None:
+    def _optimizer_job(self, opt, snapshot, grads, write_back: bool, release) -> None:
         if not isinstance(opt, CpuOptimizer):
-            self._callable_job(lambda: (snapshot.step(), snapshot.zero_grad()), grads, release)
+            self._callable_job(lambda: (snapshot.step(), snapshot.zero_grad()), grads,
+                               write_back, release)
             return
         owned = {id(p) for g in opt.param_groups for p in g["params"]}
         done: set[int] = set()
@@ -682,26 +702,29 @@ class RoundPipe(nn.Module):
             for li in range(len(self._layers)):
                 todo = [i for i in self._layer_params[li] if i not in done]
                 done.update(todo)
-                self._fused_step(snapshot, owned, todo, grads)
-                release(li)
+                self._fused_step(snapshot, owned, todo, grads, write_back)
         finally:
-            self._write_back_layers(range(len(self._layers)), release)
+            if write_back:
+                self._write_back_layers(range(len(self._layers)), release)
 
-    def _fused_step(self, snapshot, owned: set, indices: list[int], grads: list) -> None:
+    def _fused_step(self, snapshot, owned: set, indices: list[int], grads: list,
+                    write_back: bool = True) -> None:
         """``fused_step`` over the parameters ``indices`` that the optimizer holds and that
-        have a gradient; the others' model copies are rewritten from their optimizer copies."""
+        have a gradient (with ``write_back``, into their model copies too; the others' model
+        copies are then rewritten from their optimizer copies)."""
         step = [i for i in indices
                 if grads[i] is not None and id(self._optim_params[i]) in owned]
         if step:
             start = time.perf_counter()
             snapshot.fused_step([self._optim_params[i] for i in step], [grads[i] for i in step],
-                                [self._model_params[i] for i in step])
+                                [self._model_params[i] for i in step] if write_back else None)
             self._stats_add("optimizer_s", time.perf_counter() - start)
-        for i in indices:
-            if i in step:
-                self._synced[i] = self._version(self._model_params[i])
-            else:
-                self._write_back_param(i)
+        if write_back:
+            for i in indices:
+                if i in step:
+                    self._synced[i] = self._version(self._model_params[i])
+                else:
+                    self._write_back_param(i)
 
     def _write_back_layers(self, layers, release) -> None:
         """Model copies take the optimizer copies' values, layer by layer in forward order,
@@ -710,6 +733,22 @@ class RoundPipe(nn.Module):
             for i in self._layer_params[li]:
                 self._write_back_param(i)
             release(li)
+
+    def _flush_stale(self, indices) -> None:
+        """After an asynchronous step: queues the write-back of those of ``indices`` whose
+        model copy is behind (it runs after the step on the optimizer thread); their layers
+        are blocked until written."""
+        todo = sorted(self._stale.intersection(indices))
+        if not todo:
+            return
+        self._stale.difference_update(todo)
+        layers = sorted({li for i in todo for li in self._param_layers[i]})
+
+        def job(release):
+            for i in todo:
+                self._write_back_param(i)
+
+        self._submit(job, layers)
 
     def _submit_exact_step(self, exact: tuple, indices: list[int]) -> None:
         """Exact overlapped mode: hands the parameters ``indices`` (their gradients final) to
@@ -746,6 +785,8 @@ class RoundPipe(nn.Module):
             self._gates.release(sorted(remaining))
 
     def _submit(self, job, layers) -> None:
+        """Queues ``job(release)`` on the optimizer thread, ``layers`` blocked until released;
+        its error is kept for the next call into the wrapper."""
         layers = list(layers)
         self._gates.block(layers)
 
@@ -757,18 +798,21 @@ class RoundPipe(nn.Module):
                     if self._bg_error is None:
                         self._bg_error = e
 
-        self._bg_futures = [f for f in self._bg_futures if not f.done()]
-        self._bg_futures.append(self._bg.submit(run))
+        with self._bg_lock:  # workers and the caller both submit
+            self._bg_futures = [f for f in self._bg_futures if not f.done()]
+            self._bg_futures.append(self._bg.submit(run))
 
     def _background_idle(self) -> bool:
-        return all(f.done() for f in self._bg_futures)
+        with self._bg_lock:
+            return all(f.done() for f in self._bg_futures)
 
     def _wait_background(self) -> None:
         """Waits for the optimizer thread's queued work (no-op on that thread itself)."""
         if self._bg.is_current():
             return
-        cf.wait(self._bg_futures)
-        self._bg_futures = []
+        with self._bg_lock:
+            futures = list(self._bg_futures)
+        cf.wait(futures)
 
     def _raise_background_error(self) -> None:
         with self._bg_lock:
@@ -780,7 +824,10 @@ class RoundPipe(nn.Module):
 
     def _hook_optimizer(self, opt: torch.optim.Optimizer) -> None:
         """The optimizer's ``step``, ``state_dict`` and ``load_state_dict``, called from another
-        thread than the optimizer thread, first wait for pending updates."""
+        thread than the optimizer thread, first wait for pending updates. Also marks it as
+        stepped for LR schedulers (what their wrapper of ``opt.step`` records), since the
+        wrapper steps it through a snapshot or ``fused_step``."""
+        opt._opt_called = True  # read by torch.optim.lr_scheduler's order check
         if opt in self._hooked:
             return
         self._hooked.add(opt)
