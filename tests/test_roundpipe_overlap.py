@@ -390,7 +390,17 @@ def test_pipeline_stats_are_reported():
     model.synchronize()
     stats = model.pipeline_stats(reset=True)
     assert set(stats) == {"wall_s", "device_s", "weights_wait_s", "optimizer_wait_s",
-                          "optimizer_s"}
+                          "optimizer_s", "upload_s", "upload_bytes"}
+    stage_bytes = sum(p.numel() * 4 for p in model.module.parameters())
+    assert stats["upload_bytes"] == 2 * stage_bytes - 4 * (4 * 32 + 4)  # last stage: backward only
     assert stats["wall_s"] > 0 and stats["device_s"] >= stats["wall_s"]
     assert all(v >= 0 for v in stats.values())
     assert model.pipeline_stats()["wall_s"] == 0
+
+
+def test_cuda_transfer_imports_without_touching_cuda():
+    r = subprocess.run([sys.executable, "-c", "import torch, roundpipe.cuda_transfer as c; "
+                        "from torch import nn; "
+                        "assert c.pin_host_model(nn.Linear(2, 2), 'off') == 'off'; "
+                        "print(torch.cuda.is_initialized())"], capture_output=True, text=True)
+    assert r.stdout.strip() == "False", r.stderr

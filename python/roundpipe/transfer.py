@@ -7,6 +7,7 @@ afterwards; nothing of a stage stays on the device between uses.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,8 @@ class HostIO:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._upload_s = 0.0
+        self._upload_bytes = 0
 
     def activate(self):
         """Context the worker runs a pass in (CUDA: its device and compute stream)."""
@@ -74,7 +77,20 @@ class HostIO:
     def upload(self, layers: list[nn.Module], with_grad: bool) -> tuple[list[LayerWeights], Any]:
         """The stage's weights on the device (see :func:`upload_layer`) and an event marking
         the end of their copy (``None`` here)."""
-        return [upload_layer(layer, self.device, with_grad) for layer in layers], None
+        start = time.perf_counter()
+        weights = [upload_layer(layer, self.device, with_grad) for layer in layers]
+        self._upload_s += time.perf_counter() - start
+        self._upload_bytes += sum(t.numel() * t.element_size()
+                                  for w in weights for t in w.tensors.values())
+        return weights, None
+
+    def collect(self) -> dict[str, float]:
+        """Measurements since the last call: seconds the device waited for weights (here the
+        synchronous copies), seconds and bytes of weight uploads."""
+        out = {"weights_wait_s": self._upload_s, "upload_s": self._upload_s,
+               "upload_bytes": float(self._upload_bytes)}
+        self._upload_s, self._upload_bytes = 0.0, 0
+        return out
 
     def wait_weights(self, event: Any) -> float:
         """Makes the compute wait for an :meth:`upload`; returns the seconds of device time

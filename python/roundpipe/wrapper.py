@@ -207,19 +207,17 @@ class _Fetcher:
         else:
             self.owner._stats_add("optimizer_wait_s",
                                   self.owner._gates.wait(list(stage.layers), self.abort))
-            start = time.perf_counter()
             weights, event = self._upload(k)
-            if not self.io.prefetch:  # synchronous copy: the device waited for it
-                self.owner._stats_add("weights_wait_s", time.perf_counter() - start)
-        self.owner._stats_add("weights_wait_s", self.io.wait_weights(event))
+        self.io.wait_weights(event)
         return weights
 
     def maybe_prefetch(self, k: int) -> None:
         if not self.io.prefetch or self.next is not None or k + 1 >= len(self.ops):
             return
         stage = self.ops[k + 1][0]
-        cap = self.owner.max_prefetch_bytes
-        if cap is not None and self.owner._stage_bytes[stage.index] > cap:
+        cap = self.owner.max_resident_bytes
+        sizes = self.owner._stage_bytes
+        if cap is not None and sizes[self.ops[k][0].index] + sizes[stage.index] > cap:
             return
         if self.owner._gates.ready(stage.layers):
             self.next = (k + 1, self._upload(k + 1))
@@ -248,17 +246,36 @@ class RoundPipe(nn.Module):
     Args:
         model: the network, with all parameters and buffers on the CPU.
         optim_dtype: floating dtype of the optimizer copies (default: each parameter's dtype).
-        device: compute device (default: ``cuda:0`` when CUDA is available, else the CPU, which
-            runs the very same code path).
+        device: compute device(s): one device, or a non-empty list of them (default:
+            ``cuda:0`` when CUDA is available, else the CPU, which runs the very same code
+            path). Stage ``s`` runs on ``device[s % len(device)]``; each device has a worker
+            thread, so ``["cpu", "cpu"]`` is two CPU workers (the scheduler runs for real
+            without a GPU) and ``["cuda:0", "cuda:1"]`` two GPUs. CPU and CUDA are not mixed.
         layers_per_stage: consecutive layers per stage (default 1).
         num_microbatch: default number of microbatches per call (default: number of devices + 1,
-            at most the batch size).
+            at most the batch size). Results do not depend on the number of devices, for a
+            given number of microbatches.
         split_fn: custom split of ``(args, kwargs, label, n)`` into microbatches, with the
             signature and contract of :func:`roundpipe.microbatch.split_microbatches`.
+        pin_memory: CUDA only: the host model copy in page-locked memory, ``"auto"`` /
+            ``"alloc"`` (pinned copies of the tensors), ``"register"`` (``cudaHostRegister`` in
+            place) or ``"off"``; when pinning fails, pageable memory with a warning. The mode
+            in effect is ``self.pin_memory`` (``"off"`` for CPU devices).
+        prefetch: CUDA only: upload the next stage's weights while the current one computes
+            (at most two stages resident per device).
+        max_resident_bytes: CUDA only: no prefetch when the current and the next stage's
+            weights together exceed this many bytes (default: no cap).
+
+    Threads: one worker per device and one optimizer thread, all daemon threads, started on
+    first use; errors on them reach the caller (see :meth:`forward_backward`, :meth:`step`).
 
     Raises:
         ValueError: a parameter or buffer is not on the CPU, ``optim_dtype`` is not a floating
-            dtype, or ``layers_per_stage`` / ``num_microbatch`` is < 1.
+            dtype, ``layers_per_stage`` / ``num_microbatch`` is < 1, ``device`` is an empty
+            list, names an unsupported device type or mixes CPU and CUDA, ``pin_memory`` is
+            not one of the modes, or ``max_resident_bytes`` < 0.
+        TypeError: ``model`` is not a module, a ``device`` entry is not a str or device,
+            ``prefetch`` is not a bool.
     """
 
     def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None, *,
@@ -855,7 +872,13 @@ class RoundPipe(nn.Module):
         times the number of devices in use), ``weights_wait_s`` (compute devices waiting for
         weight uploads; on CUDA measured on the device with events, so only when
         :meth:`synchronize` or a pass completed them), ``optimizer_wait_s`` (devices waiting for
-        layers still being updated) and ``optimizer_s`` (time in fused optimizer steps)."""
+        layers still being updated), ``optimizer_s`` (time in fused optimizer steps),
+        ``upload_s`` and ``upload_bytes`` (weight uploads; on CUDA timed on the upload stream).
+        On CUDA this waits for the events it reads (a host synchronisation): call it between
+        iterations, not inside the steady state you measure."""
+        for io in self._io:
+            for key, value in io.collect().items():
+                self._stats_add(key, value)
         with self._bg_lock:
             out = dict(self._stats)
             if reset:
@@ -896,7 +919,8 @@ class RoundPipe(nn.Module):
         return result
 
 
-STAT_KEYS = ("wall_s", "device_s", "weights_wait_s", "optimizer_wait_s", "optimizer_s")
+STAT_KEYS = ("wall_s", "device_s", "weights_wait_s", "optimizer_wait_s", "optimizer_s",
+             "upload_s", "upload_bytes")
 
 
 def _snapshot(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
