@@ -644,7 +644,9 @@ class RoundPipe(nn.Module):
         of a layer waits only for that layer. :meth:`synchronize` (also called by a synchronous
         step, ``state_dict``, ``load_state_dict``, ``zero_grad`` and pickling) waits for the
         update and writes back every layer: the copies agree again and there is no staleness
-        after it. Rules while an update is pending: what ``step_fn`` touches belongs to the
+        after it; ``forward`` (inference) before the next ``forward_backward`` still sees the
+        weights from before the step unless :meth:`synchronize` is called. Rules while an
+        update is pending: what ``step_fn`` touches belongs to the
         optimizer thread (with a callable, do LR scheduling and logging of optimizer state
         inside ``step_fn`` or after :meth:`synchronize`; an optimizer passed directly is
         protected as said above); change weights only after :meth:`synchronize`. An exception
