@@ -33,18 +33,19 @@ from torch.utils._pytree import tree_map
 from .transfer import HostIO, LayerWeights
 
 
-def _unique_tensors(model: nn.Module) -> tuple[list[nn.Parameter], list[tuple[nn.Module, str]]]:
+def _unique_tensors(model: nn.Module) -> tuple[list[nn.Parameter], dict[int, list]]:
+    """The model's parameters (each once) and its buffers: id -> every (module, name) that
+    holds that tensor (a buffer shared by several modules is replaced in all of them)."""
     params, seen = [], set()
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
             params.append(p)
-    buffers = []
+    buffers: dict[int, list] = {}
     for module in model.modules():
         for name, b in module._buffers.items():
-            if b is not None and id(b) not in seen:
-                seen.add(id(b))
-                buffers.append((module, name))
+            if b is not None:
+                buffers.setdefault(id(b), []).append((module, name))
     return params, buffers
 
 
@@ -64,14 +65,16 @@ def pin_host_model(model: nn.Module, mode: str) -> str:
                 for p in params:
                     if not p.data.is_pinned():
                         p.data = p.data.pin_memory()
-                for module, name in buffers:
-                    b = module._buffers[name]
+                for holders in buffers.values():
+                    b = holders[0][0]._buffers[holders[0][1]]
                     if not b.is_pinned():
-                        module._buffers[name] = b.pin_memory()
+                        pinned = b.pin_memory()
+                        for module, name in holders:
+                            module._buffers[name] = pinned
             return "alloc"
         cudart = torch.cuda.cudart()
         registered = []
-        tensors = [p.data for p in params] + [module._buffers[name] for module, name in buffers]
+        tensors = [p.data for p in params] + [h[0][0]._buffers[h[0][1]] for h in buffers.values()]
         for t in tensors:
             if t.is_pinned() or t.numel() == 0:
                 continue
@@ -89,6 +92,11 @@ def pin_host_model(model: nn.Module, mode: str) -> str:
         return "off"
 
 
+def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host tensor (from torch's caching host allocator)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
 def _unregister(pointers: list[int]) -> None:
     cudart = torch.cuda.cudart()
     for ptr in pointers:
@@ -103,7 +111,8 @@ class CudaIO(HostIO):
         self.prefetch = prefetch
         self._streams = None
         self._grad_buffers: dict[tuple, torch.Tensor] = {}
-        self._timings: list[tuple] = []  # (kind, start event, end event, bytes)
+        self._timings: list[tuple] = []  # (kind, start event, end event, bytes), in order
+        self._totals = {"weights_wait_s": 0.0, "upload_s": 0.0, "upload_bytes": 0.0}
 
     def _event(self, timing: bool = False) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=timing)
@@ -143,7 +152,7 @@ class CudaIO(HostIO):
                     t.record_stream(self.compute)
                 out.append(LayerWeights(tensors, trainable, buffers))
             end.record(self.weights)
-        self._timings.append(("upload", start, end, nbytes))
+        self._time("upload", start, end, nbytes)
         return out, end
 
     def wait_weights(self, event: Any) -> float:
@@ -151,22 +160,33 @@ class CudaIO(HostIO):
         before.record(self.compute)
         self.compute.wait_event(event)
         after.record(self.compute)
-        self._timings.append(("wait", before, after, 0))
+        self._time("wait", before, after, 0)
         return 0.0  # measured on the device: see collect()
+
+    def _time(self, kind: str, start, end, nbytes: int) -> None:
+        """Keeps a measurement; completed ones are folded into the totals as they come (a
+        non-blocking query), so the list stays short when nobody collects."""
+        self._timings.append((kind, start, end, nbytes))
+        while len(self._timings) > 64 and self._timings[0][2].query():
+            self._fold(self._timings.pop(0))
+
+    def _fold(self, timing: tuple) -> None:
+        kind, a, b, nbytes = timing
+        seconds = a.elapsed_time(b) / 1e3
+        if kind == "wait":
+            self._totals["weights_wait_s"] += seconds
+        else:
+            self._totals["upload_s"] += seconds
+            self._totals["upload_bytes"] += nbytes
 
     def collect(self) -> dict[str, float]:
         """Device-side measurements since the last call (waits for their events): seconds the
         compute stream waited for weights, upload seconds and bytes."""
-        out = {"weights_wait_s": 0.0, "upload_s": 0.0, "upload_bytes": 0.0}
         timings, self._timings = self._timings, []
-        for kind, a, b, nbytes in timings:
-            b.synchronize()
-            seconds = a.elapsed_time(b) / 1e3
-            if kind == "wait":
-                out["weights_wait_s"] += seconds
-            else:
-                out["upload_s"] += seconds
-                out["upload_bytes"] += nbytes
+        for t in timings:
+            t[2].synchronize()
+            self._fold(t)
+        out, self._totals = self._totals, dict.fromkeys(self._totals, 0.0)
         return out
 
     def to_device(self, tree: Any, event: Any, leaf_grad: bool) -> Any:
@@ -201,7 +221,7 @@ class CudaIO(HostIO):
             def move(x):
                 if not isinstance(x, torch.Tensor):
                     return x
-                h = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                h = _pinned_empty(x.shape, x.dtype)
                 h.copy_(x.detach(), non_blocking=True)
                 x.record_stream(self.down)
                 return h
@@ -227,7 +247,7 @@ class CudaIO(HostIO):
                     key = (id(host), k, parity)
                     buf = self._grad_buffers.get(key)
                     if buf is None or buf.shape != t.grad.shape or buf.dtype != t.grad.dtype:
-                        buf = torch.empty(t.grad.shape, dtype=t.grad.dtype, pin_memory=True)
+                        buf = _pinned_empty(t.grad.shape, t.grad.dtype)
                         self._grad_buffers[key] = buf
                     buf.copy_(t.grad, non_blocking=True)
                     t.grad.record_stream(self.down)

@@ -117,7 +117,10 @@ class Slot:
         return self._event.is_set()
 
     def get(self, abort: threading.Event) -> Any:
-        """The value, once set. Raises :class:`Aborted` if ``abort`` is set first."""
+        """The value, once set. Raises :class:`Aborted` if ``abort`` is set (checked first, so
+        a worker whose inputs are all ready still stops at its next microbatch)."""
+        if abort.is_set():
+            raise Aborted()
         while not self._event.wait(POLL_S):
             if abort.is_set():
                 raise Aborted()
