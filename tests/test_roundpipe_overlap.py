@@ -13,6 +13,7 @@ import copy
 import os
 import subprocess
 import sys
+import time
 import traceback
 
 import pytest
@@ -237,10 +238,20 @@ def _stale_reference(steps, opt_fn, sched_fn=None):
     return losses, master
 
 
+class SlowAdam(rpo.Adam):
+    """Adam whose per-layer steps start late: whatever the caller does right after an
+    asynchronous step happens while the step is still pending."""
+
+    def fused_step(self, *args, **kwargs):
+        time.sleep(0.02)
+        return super().fused_step(*args, **kwargs)
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("form", ["lambda", "object", "object+scheduler"])
 def test_async_step_equals_the_one_step_stale_reference(form, devices):
-    opt_fn = lambda ps: rpo.Adam(ps, lr=1e-2, eps=1e-2)  # noqa: E731
+    opt_fn = lambda ps: (SlowAdam if "scheduler" in form else rpo.Adam)(  # noqa: E731
+        ps, lr=1e-2, eps=1e-2)
     sched_fn = (lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) \
         if "scheduler" in form else None
     ref_losses, ref = _stale_reference(5, opt_fn, sched_fn)
@@ -282,6 +293,23 @@ def test_async_step_is_exact_when_synchronized_and_checkpoints_wait():
             assert torch.equal(sd[k], v), k
         assert set(opt.state_dict()["state"]) == set(twin_opt.state_dict()["state"])
     _assert_identical(model, twin)
+
+
+def test_optimizer_state_dict_and_step_wait_for_a_pending_async_step():
+    torch.manual_seed(0)
+    model = RoundPipe(mlp(), num_microbatch=2)
+    opt = SlowAdam(model.optim_parameters(), lr=1e-2)
+    x, y = data("mlp", 0)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    model.step(opt, is_async=True)
+    sd = copy.deepcopy(opt.state_dict())   # waits: every parameter has been stepped once
+    assert len(sd["state"]) == len(list(model.optim_parameters()))
+    assert all(float(s["step"]) == 1 for s in sd["state"].values())
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    model.step(opt, is_async=True)
+    opt.load_state_dict(sd)          # waits too, so the pending step cannot overwrite it
+    assert all(float(s["step"]) == 1 for s in opt.state_dict()["state"].values())
+    model.synchronize()
 
 
 # --- errors and interruptions --------------------------------------------------------------------
