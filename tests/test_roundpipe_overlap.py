@@ -493,3 +493,41 @@ def test_cuda_transfer_logic_with_faked_cuda(monkeypatch):
         stats = faked.pipeline_stats()
         assert stats["upload_bytes"] > 0 and stats["upload_s"] > 0 and stats["weights_wait_s"] > 0
         assert all(len(io._grad_buffers) > 0 for io in faked._io)
+
+
+@pytest.mark.parametrize("cap", [None, 0])
+def test_prefetch_keeps_at_most_two_stages_per_device_with_faked_cuda(monkeypatch, cap):
+    """With prefetch, at most one stage's weights are alive on a device when the next one is
+    uploaded (two resident); with max_resident_bytes=0 nothing is prefetched (one resident)."""
+    import contextlib
+    import gc
+    import weakref
+    import roundpipe.cuda_transfer as ct
+
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(ct, "_pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    alive: dict[int, list] = {}
+    peak = {}
+    real_upload = ct.CudaIO.upload
+
+    def upload(self, layers, with_grad):
+        gc.collect()
+        mine = alive.setdefault(id(self), [])
+        resident = sum(1 for refs in mine if any(r() is not None for r in refs))
+        peak[id(self)] = max(peak.get(id(self), 0), resident)
+        weights, event = real_upload(self, layers, with_grad)
+        mine.append([weakref.ref(t) for w in weights for t in w.tensors.values()])
+        return weights, event
+
+    monkeypatch.setattr(ct.CudaIO, "upload", upload)
+    torch.manual_seed(0)
+    model = RoundPipe(transformer(), device=["cpu", "cpu"], num_microbatch=3,
+                      max_resident_bytes=cap)
+    model._io = [ct.CudaIO(d, prefetch=True) for d in model.devices]
+    x, y = data("transformer", 0)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    assert set(peak.values()) == ({1} if cap is None else {0})

@@ -2,8 +2,11 @@
 full-precision optimizer copy), stages streamed to the compute device, microbatches,
 activation recomputation, gradients accumulated on the host in the optimizer dtype.
 
-Reading order: plan.py (stages) -> transfer.py (moving weights) -> execute.py (a stage on a
-microbatch) -> this file (the passes over stages and microbatches, and the optimizer side).
+Reading order: plan.py (stages, devices) -> transfer.py (moving tensors; cuda_transfer.py for
+CUDA: pinned memory, streams, events, prefetch) -> execute.py (a stage on a microbatch) ->
+schedule.py (worker threads, slots between stages, per-layer gates) -> this file (the passes
+over stages and microbatches, and the optimizer side: synchronous, asynchronous and exact
+overlapped steps on the optimizer thread).
 """
 
 from __future__ import annotations
