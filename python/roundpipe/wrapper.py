@@ -480,9 +480,12 @@ class RoundPipe(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discards the gradients accumulated since the last :meth:`step` (waits for pending
-        optimizer work first: that work owns the gradients it was given)."""
+        optimizer work first: that work owns the gradients it was given). Called inside an
+        asynchronous ``step_fn``, it clears only that step's gradients (``.grad`` of the
+        optimizer copies), not those the next pass is accumulating."""
         self._wait_background()
-        self._grads = [None] * len(self._model_params)
+        if not self._bg.is_current():
+            self._grads = [None] * len(self._model_params)
         for o in self._optim_params:
             o.grad = None
 
