@@ -840,12 +840,17 @@ class RoundPipe(nn.Module):
         cf.wait(futures)
 
     def _raise_background_error(self) -> None:
+        """Raises the first error of the background work, once all of it queued so far has
+        finished (later errors of the same work, e.g. of every stage of an exact-mode pass,
+        are dropped with it), and discards the gradients accumulated since."""
+        with self._bg_lock:
+            if self._bg_error is None:
+                return
+        self._wait_background()
         with self._bg_lock:
             e, self._bg_error = self._bg_error, None
-        if e is not None:
-            self._wait_background()
-            self._grads = [None] * len(self._model_params)
-            raise e
+        self._grads = [None] * len(self._model_params)
+        raise e
 
     def _hook_optimizer(self, opt: torch.optim.Optimizer) -> None:
         """The optimizer's ``step``, ``state_dict`` and ``load_state_dict``, called from another
