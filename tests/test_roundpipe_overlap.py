@@ -88,10 +88,15 @@ def _assert_identical(a: RoundPipe, b: RoundPipe):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_one_two_and_three_cpu_devices_give_identical_results(name):
     losses1, one = _train(name, "cpu")
+    x, _ = _data(name, 9)
+    one.eval()
+    out1 = one(x)
     for n in (2, 3):
         losses, many = _train(name, ["cpu"] * n)
         assert losses == losses1
         _assert_identical(one, many)
+        many.eval()
+        assert torch.equal(many(x), out1)       # inference too
 
 
 def test_several_devices_match_the_plain_pytorch_loop():
@@ -123,6 +128,8 @@ def test_default_microbatches_and_device_arguments():
         RoundPipe(mlp(), device=[])
     with pytest.raises(ValueError, match="mixes"):
         RoundPipe(mlp(), device=["cpu", "cuda:0"])
+    with pytest.raises(ValueError, match="not available"):
+        RoundPipe(mlp(), device=f"cuda:{torch.cuda.device_count()}")
     with pytest.raises(ValueError, match="not supported"):
         RoundPipe(mlp(), device="meta")
     with pytest.raises(TypeError, match="device entries"):

@@ -60,8 +60,8 @@ def parse_devices(device) -> list[torch.device]:
     ``"cuda"`` without an index means ``cuda:0``.
 
     Raises:
-        ValueError: an empty list, a device type other than ``cpu``/``cuda``, or CPU and CUDA
-            devices mixed.
+        ValueError: an empty list, a device type other than ``cpu``/``cuda``, CPU and CUDA
+            devices mixed, or a CUDA device this machine does not have.
         TypeError: an entry that is not a string or ``torch.device``.
     """
     if device is None:
@@ -82,4 +82,10 @@ def parse_devices(device) -> list[torch.device]:
     if len({d.type for d in devices}) > 1:
         raise ValueError(f"RoundPipe: device mixes CPU and CUDA devices ({items!r}); use "
                          "either CPU workers or CUDA devices")
+    if devices[0].type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for d in devices:
+            if d.index >= count:
+                raise ValueError(f"RoundPipe: device {d} is not available (this machine has "
+                                 f"{count} CUDA device{'s' if count != 1 else ''})")
     return devices
