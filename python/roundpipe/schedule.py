@@ -116,6 +116,10 @@ class Slot:
     def is_set(self) -> bool:
         return self._event.is_set()
 
+    def clear_value(self) -> None:
+        """Drops the value (its last reader is done with it); the slot stays set."""
+        self._value = None
+
     def get(self, abort: threading.Event) -> Any:
         """The value, once set. Raises :class:`Aborted` if ``abort`` is set (checked first, so
         a worker whose inputs are all ready still stops at its next microbatch)."""

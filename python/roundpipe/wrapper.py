@@ -97,8 +97,12 @@ class _Pass:
         with torch.no_grad():
             for m in range(len(self.mbs)):
                 tree, event = self.acts[stage.index][m].get(abort)
-                y = owner._run(stage, weights, io.to_device(tree, event, False), m,
-                               self.call_seed, recomputing=False)
+                x = io.to_device(tree, event, False)
+                if not self.backward:  # inference: nothing reads this stage input again
+                    self.acts[stage.index][m].clear_value()
+                tree = None
+                y = owner._run(stage, weights, x, m, self.call_seed, recomputing=False)
+                x = None
                 self.acts[stage.index + 1][m].set(io.to_host(y))
                 fetcher.maybe_prefetch(k)
         if owner.training:
@@ -114,6 +118,10 @@ class _Pass:
             tree, event = self.acts[stage.index][m].get(abort)
             grad_output = None if is_last else self.grads[stage.index + 1][m].get(abort)
             x = io.to_device(tree, event, leaf_grad=stage.index > 0)
+            self.acts[stage.index][m].clear_value()  # host copies no longer needed
+            if not is_last:
+                self.grads[stage.index + 1][m].clear_value()
+            tree = None
             with torch.enable_grad():
                 y = owner._run(stage, weights, x, m, self.call_seed, recomputing=not is_last)
                 if is_last:
