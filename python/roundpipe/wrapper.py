@@ -148,9 +148,6 @@ class _Pass:
                 self._accumulate(stage, *pending)
             pending = (m, grads_m)
             if stage.index > 0:
-                if m == len(self.mbs) - 1:  # everything of this stage is added before the
-                    self._accumulate(stage, *pending)  # last hand-off (see stage_done)
-                    pending = None
                 self.grads[stage.index][m].set(io.to_host(
                     [t.grad if isinstance(t, torch.Tensor) else None for t in _leaves(x)]))
             x = None
