@@ -23,4 +23,3 @@ def test_benchmark_runs_and_writes_json(tmp_path):
         assert row["bytes_per_element"] == {"Adam": 28, "SGD": 20, "Rprop": 28}[row["algorithm"]]
         assert {"floor", "roundpipe", "torch foreach=False", "torch foreach=True"} <= set(row["ns_per_param"])
         assert all(v > 0 for v in row["ns_per_param"].values())
-
