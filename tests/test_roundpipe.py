@@ -174,7 +174,7 @@ def test_bf16_model_with_fp32_master_weights_matches_mixed_precision_loop():
 def test_only_one_stage_on_the_device_at_a_time(monkeypatch):
     alive: list[tuple[int, list]] = []  # (layer id, weakrefs to its device tensors)
     peak = 0
-    real = roundpipe.wrapper.upload_layer
+    real = roundpipe.transfer.upload_layer
 
     def tracking_upload(layer, device, with_grad):
         nonlocal peak
@@ -185,7 +185,7 @@ def test_only_one_stage_on_the_device_at_a_time(monkeypatch):
         alive.append((id(layer), [weakref.ref(t) for t in w.tensors.values()]))
         return w
 
-    monkeypatch.setattr(roundpipe.wrapper, "upload_layer", tracking_upload)
+    monkeypatch.setattr(roundpipe.transfer, "upload_layer", tracking_upload)
     model = RoundPipe(mlp(), num_microbatch=3)
     x, y = data("mlp", 0)
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)

@@ -8,6 +8,7 @@ on the order stages run in, or on how many devices there are.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -18,6 +19,10 @@ from . import recompute
 from .transfer import LayerWeights
 
 _SEED_MOD = 2**63
+
+# torch's CPU generator is global: workers on different devices fork, seed and restore it one
+# at a time, so each layer draws from its own seed and the caller's generator is left as it was.
+RNG_LOCK = threading.Lock()
 
 
 def layer_seed(call_seed: int, layer: int, microbatch: int) -> int:
@@ -44,7 +49,7 @@ def run_stage(layers: list[nn.Module], first_layer: int, weights: list[LayerWeig
     for offset, (layer, w) in enumerate(zip(layers, weights)):
         index = first_layer + offset
         seed = layer_seed(call_seed, index, microbatch)
-        with torch.random.fork_rng(devices=cuda), \
+        with RNG_LOCK, torch.random.fork_rng(devices=cuda), \
                 recompute.running(store, (index, microbatch), recomputing):
             torch.default_generator.manual_seed(seed)
             if cuda:

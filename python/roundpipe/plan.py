@@ -48,3 +48,44 @@ def default_device() -> torch.device:
     """The first CUDA device when one is available, else the CPU. Called at construction, never
     at import, so importing roundpipe does not initialise CUDA."""
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+PIN_MODES = ("auto", "alloc", "register", "off")
+
+
+def parse_devices(device) -> list[torch.device]:
+    """The compute devices from ``RoundPipe(device=...)``: ``None`` (the default device), one
+    device (``"cpu"``, ``"cuda:1"``, ``torch.device``) or a non-empty list or tuple of them.
+    The same device may be listed several times (e.g. ``["cpu", "cpu"]``: two CPU workers).
+    ``"cuda"`` without an index means ``cuda:0``.
+
+    Raises:
+        ValueError: an empty list, a device type other than ``cpu``/``cuda``, CPU and CUDA
+            devices mixed, or a CUDA device this machine does not have.
+        TypeError: an entry that is not a string or ``torch.device``.
+    """
+    if device is None:
+        return [default_device()]
+    items = list(device) if isinstance(device, (list, tuple)) else [device]
+    if not items:
+        raise ValueError("RoundPipe: device must not be an empty list")
+    devices = []
+    for d in items:
+        if not isinstance(d, (str, torch.device)):
+            raise TypeError(f"RoundPipe: device entries must be str or torch.device, got {d!r}")
+        d = torch.device(d)
+        if d.type not in ("cpu", "cuda"):
+            raise ValueError(f"RoundPipe: device {d} is not supported (cpu or cuda)")
+        if d.type == "cuda" and d.index is None:
+            d = torch.device("cuda", 0)
+        devices.append(d)
+    if len({d.type for d in devices}) > 1:
+        raise ValueError(f"RoundPipe: device mixes CPU and CUDA devices ({items!r}); use "
+                         "either CPU workers or CUDA devices")
+    if devices[0].type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for d in devices:
+            if d.index >= count:
+                raise ValueError(f"RoundPipe: device {d} is not available (this machine has "
+                                 f"{count} CUDA device{'s' if count != 1 else ''})")
+    return devices

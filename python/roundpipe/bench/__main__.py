@@ -1,6 +1,16 @@
-"""python -m roundpipe.bench: optimizer steps against their memory-bandwidth floor and torch."""
+"""python -m roundpipe.bench: optimizer steps against their memory-bandwidth floor and torch
+(:mod:`roundpipe.bench.optim`, the default, with its options), or
+``python -m roundpipe.bench pipeline [options]``: RoundPipe training with and without overlap
+(:mod:`roundpipe.bench.pipeline`)."""
+
+import sys
 
 from .optim import main
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "pipeline":
+        from .pipeline import main as pipeline_main
+
+        pipeline_main(sys.argv[2:])
+    else:
+        main()

@@ -1,0 +1,205 @@
+"""The scheduler's threads and the primitives they wait on.
+
+- :class:`Worker`: one daemon thread running submitted functions in order (one per compute
+  device, and one for the CPU optimizer).
+- :class:`Slot`: a value handed from one worker to another (a stage's output for one microbatch,
+  the gradient of its input, ...), set once per pass.
+- :class:`LayerGates`: per-layer readiness. A layer is *blocked* while an optimizer job that
+  writes its model copy is queued or running; uploads of that layer wait until it is released.
+- :func:`run_all`: runs one function per worker and waits for all of them; the first error
+  aborts the others and reaches the caller.
+
+Every wait here wakes up at least every :data:`POLL_S` seconds to check an abort flag, so no
+thread blocks forever when another one fails or the caller is interrupted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+POLL_S = 0.05
+_live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    """At interpreter exit, let every idle worker thread finish before finalisation starts: a
+    daemon thread woken during finalisation is torn down inside C++ code (torch's), which
+    aborts the process ("terminate called without an active exception")."""
+    workers = list(_live)
+    for w in workers:
+        w.close()
+    for w in workers:
+        w.join(timeout=2.0)
+
+
+class Aborted(Exception):
+    """Raised inside a worker whose pass was aborted because another worker failed."""
+
+
+class Worker:
+    """One daemon thread that runs submitted functions one after the other, in order.
+
+    The thread starts on the first :meth:`submit`; :meth:`close` lets it exit after the work
+    already queued. Being a daemon thread, it never keeps the interpreter alive.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self._closed = False
+        _live.add(self)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future:
+        """Queues ``fn(*args)``; the returned future holds its result or exception."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: the worker is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+        future: cf.Future = cf.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def is_current(self) -> bool:
+        """Whether the calling thread is this worker's thread."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def close(self) -> None:
+        """Lets the thread exit once the queued work is done (does not wait for it)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Waits (at most ``timeout`` seconds) for the thread to exit after :meth:`close`."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+
+
+class Slot:
+    """A value set once by one thread and read by others; :meth:`get` waits for it."""
+
+    __slots__ = ("_event", "_value")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._value: Any = None
+
+    def set(self, value: Any) -> None:
+        self._value = value
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def clear_value(self) -> None:
+        """Drops the value (its last reader is done with it); the slot stays set."""
+        self._value = None
+
+    def get(self, abort: threading.Event) -> Any:
+        """The value, once set. Raises :class:`Aborted` if ``abort`` is set (checked first, so
+        a worker whose inputs are all ready still stops at its next microbatch)."""
+        if abort.is_set():
+            raise Aborted()
+        while not self._event.wait(POLL_S):
+            if abort.is_set():
+                raise Aborted()
+        return self._value
+
+
+class LayerGates:
+    """Per-layer readiness of the host model copy.
+
+    :meth:`block` marks layers as about to be rewritten by an optimizer job (counted: several
+    jobs may be queued), :meth:`release` marks one job's write-back of them done. Uploads call
+    :meth:`wait` first, so a layer is never read while it is being written, and each layer waits
+    only for its own update (no global barrier).
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self._cond = threading.Condition()
+        self._blocked = [0] * num_layers
+
+    def block(self, layers: Iterable[int]) -> None:
+        with self._cond:
+            for i in layers:
+                self._blocked[i] += 1
+
+    def release(self, layers: Iterable[int]) -> None:
+        with self._cond:
+            for i in layers:
+                self._blocked[i] -= 1
+            self._cond.notify_all()
+
+    def ready(self, layers: Iterable[int]) -> bool:
+        """Whether none of ``layers`` is blocked (does not wait)."""
+        with self._cond:
+            return not any(self._blocked[i] for i in layers)
+
+    def wait(self, layers: Sequence[int], abort: Optional[threading.Event] = None) -> float:
+        """Waits until none of ``layers`` is blocked; returns the seconds waited. Raises
+        :class:`Aborted` if ``abort`` is set while waiting."""
+        start = time.perf_counter()
+        with self._cond:
+            while any(self._blocked[i] for i in layers):
+                if abort is not None and abort.is_set():
+                    raise Aborted()
+                self._cond.wait(POLL_S)
+        return time.perf_counter() - start
+
+
+def run_all(workers: Sequence[Worker], fns: Sequence[Callable[[threading.Event], Any]]) -> list:
+    """Runs ``fns[i](abort)`` on ``workers[i]`` and waits for all of them.
+
+    If one raises, ``abort`` is set so the others stop at their next wait, and once all have
+    stopped the first error (in completion order, :class:`Aborted` ignored) is raised here with
+    its original traceback. If the calling thread is interrupted (e.g. ``KeyboardInterrupt``)
+    the workers are aborted and waited for the same way before the interruption propagates.
+    Returns the functions' results.
+    """
+    abort = threading.Event()
+    futures = [w.submit(fn, abort) for w, fn in zip(workers, fns)]
+    first: Optional[BaseException] = None
+    try:
+        pending = set(futures)
+        while pending:
+            done, pending = cf.wait(pending, timeout=POLL_S, return_when=cf.FIRST_EXCEPTION)
+            for f in done:
+                e = f.exception()
+                if e is not None and first is None and not isinstance(e, Aborted):
+                    first = e
+                    abort.set()
+    except BaseException:
+        abort.set()
+        cf.wait(futures)
+        raise
+    if first is not None:
+        raise first
+    for f in futures:  # an Aborted without a cause cannot happen, but never return half results
+        if f.exception() is not None:
+            raise f.exception()
+    return [f.result() for f in futures]
