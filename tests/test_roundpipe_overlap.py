@@ -151,21 +151,6 @@ def test_default_microbatches_and_device_arguments():
 
 # --- exact overlapped mode -----------------------------------------------------------------------
 
-def _sgd_fused_step_works() -> bool:
-    """roundpipe.optim.SGD.fused_step raises NotImplementedError on this branch's base (its
-    _init_state is missing; fixed on main by the fused-kernel work)."""
-    p = nn.Parameter(torch.zeros(3))
-    try:
-        rpo.SGD([p], lr=0.1, momentum=0.9).fused_step([p], [torch.ones(3)])
-    except NotImplementedError:
-        return False
-    return True
-
-
-_SGD_MARK = pytest.mark.xfail(not _sgd_fused_step_works(), raises=NotImplementedError,
-                              reason="roundpipe.optim.SGD.fused_step broken before the fused "
-                              "kernels landed on main", strict=True)
-
 OPTS = {
     "sgd": lambda ps: rpo.SGD(ps, lr=0.05, momentum=0.9),
     "adam": lambda ps: rpo.Adam(ps, lr=1e-2, eps=1e-2),
@@ -174,7 +159,7 @@ OPTS = {
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-@pytest.mark.parametrize("opt", [pytest.param("sgd", marks=_SGD_MARK), "adam", "torch.sgd"])
+@pytest.mark.parametrize("opt", ["sgd", "adam", "torch.sgd"])
 @pytest.mark.parametrize("name", ["transformer", "tied"])
 def test_exact_overlapped_mode_equals_the_plain_loop(name, opt, devices):
     kw = dict(opt_fn=OPTS[opt], dtype=torch.bfloat16, layers_per_stage=2, steps=4)
