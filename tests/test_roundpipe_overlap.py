@@ -10,6 +10,8 @@ same scheduler as GPUs):
 from __future__ import annotations
 
 import copy
+import gc
+import threading
 import os
 import subprocess
 import sys
@@ -523,3 +525,31 @@ def test_prefetch_keeps_at_most_two_stages_per_device_with_faked_cuda(monkeypatc
     x, y = data("transformer", 0)
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
     assert set(peak.values()) == ({1} if cap is None else {0})
+
+
+def test_a_wrapper_that_ran_is_freed_with_its_threads():
+    import weakref
+
+    refs = []
+    for mode in ("forward", "step", "async", "exact"):
+        model = RoundPipe(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), device=["cpu", "cpu"])
+        with OptimizerCtx():
+            opt = rpo.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 8)
+        if mode == "forward":
+            model(x)
+        else:
+            kwargs = {"optimizer": opt} if mode == "exact" else {}
+            model.forward_backward(input_args=(x,), label=x,
+                                   loss_fn=lambda a, b: ((a - b) ** 2).sum(), **kwargs)
+            if mode != "exact":
+                model.step(opt, is_async=mode == "async")
+            model.synchronize()
+        refs.append(weakref.ref(model))
+        del model, opt
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("roundpipe-") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.05)

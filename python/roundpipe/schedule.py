@@ -91,13 +91,19 @@ class Worker:
             item = self._queue.get()
             if item is None:
                 return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(e)
+            _run(*item)
+            # Nothing of the job may stay referenced while the thread waits for the next one:
+            # a job's function refers to its RoundPipe, which must be freed when unused.
+            del item
+
+
+def _run(future: cf.Future, fn: Callable[..., Any], args: tuple) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        future.set_exception(e)
 
 
 class Slot:
