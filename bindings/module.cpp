@@ -5,7 +5,7 @@
 // the C++ step.
 //
 // Tensors are read through their own attributes (dtype, is_cpu, layout, numel(), dim(),
-// is_contiguous(), data_ptr()) with the Python C API, not through DLPack: exporting a
+// is_contiguous(), is_neg(), data_ptr()) with the Python C API, not through DLPack: exporting a
 // DLPack capsule costs ~3.5 us per tensor, more than stepping a 1k-element tensor, while these
 // reads cost ~0.3 us. Nothing is converted: a float64 or strided tensor is refused, never
 // copied, because an update applied to a temporary copy would leave the caller's tensor
@@ -31,7 +31,7 @@ namespace {
 struct Torch {
   PyObject* tensor_type;
   PyObject *float32, *bfloat16, *float16, *strided;
-  PyObject *dtype, *is_cpu, *layout, *numel, *dim, *is_contiguous, *data_ptr, *device;
+  PyObject *dtype, *is_cpu, *layout, *numel, *dim, *is_contiguous, *is_neg, *data_ptr, *device;
 };
 
 const Torch& torch_api() {
@@ -42,7 +42,7 @@ const Torch& torch_api() {
     return new Torch{keep(torch.attr("Tensor")), keep(torch.attr("float32")),
                      keep(torch.attr("bfloat16")), keep(torch.attr("float16")),
                      keep(torch.attr("strided")), name("dtype"), name("is_cpu"), name("layout"),
-                     name("numel"), name("dim"), name("is_contiguous"), name("data_ptr"),
+                     name("numel"), name("dim"), name("is_contiguous"), name("is_neg"), name("data_ptr"),
                      name("device")};
   }();
   return *api;
@@ -120,6 +120,9 @@ Tensor checked(PyObject* t, const char* fn, const char* arg, std::size_t i, Acce
                            std::to_string(out.numel) + " in " + std::to_string(out.ndim)).c_str());
   if (numel > 1 && call(t, T.is_contiguous).ptr() != Py_True)
     throw nb::value_error((where(fn, arg, i) + " must be contiguous").c_str());
+  if (call(t, T.is_neg).ptr() != Py_False)  // a lazily negated view: its memory holds -x
+    throw nb::value_error((where(fn, arg, i) + " is a negated view (is_neg()); pass "
+                           "t.resolve_neg()").c_str());
   out.data = PyLong_AsVoidPtr(call(t, T.data_ptr).ptr());
   if (PyErr_Occurred()) throw nb::python_error();
   return out;

@@ -146,3 +146,31 @@ def test_num_threads_per_optimizer_gives_the_same_result_and_is_checked():
         with pytest.raises(ValueError, match="num_threads"):
             opt.num_threads = bad
     assert opt.num_threads == 3
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_autograd_sees_the_update_as_torch_in_place_ops_do(case):
+    # torch.optim's in-place updates bump the version counter, so a backward through values
+    # saved before the step fails; ours write through raw pointers and must do the same.
+    for use_fused in (False, True):
+        w = torch.nn.Parameter(torch.ones(3))
+        y = (w * w).sum()
+        opt = case.ours([w], **case.base)
+        if use_fused:
+            opt.fused_step([w], [torch.ones(3)])
+        else:
+            w.grad = torch.ones(3)
+            opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+
+
+def test_negated_views_are_refused():
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = rpo.SGD([p], lr=1.0)
+    with pytest.raises(ValueError, match=r"grads\[0\] is a negated view"):
+        opt.fused_step([p], [torch._neg_view(torch.ones(4))])
+    p.grad = torch._neg_view(torch.ones(4))
+    with pytest.raises(ValueError, match="negated view"):
+        opt.step()
+    assert torch.equal(p, torch.zeros(4))

@@ -553,3 +553,35 @@ def test_a_wrapper_that_ran_is_freed_with_its_threads():
     while any(t.name.startswith("roundpipe-") for t in threading.enumerate()):
         assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_an_optimizer_with_outside_parameters_or_hooks_is_stepped_whole(exact):
+    # A temperature used by loss_fn lives outside the wrapper, and a post hook counts steps:
+    # step(opt) and exact mode must then do what opt.step() does (update it, run the hook).
+    results = []
+    for use_lambda in (True, False):
+        torch.manual_seed(0)
+        model = RoundPipe(mlp(), num_microbatch=2)
+        temp = nn.Parameter(torch.ones(()))
+        with OptimizerCtx():
+            opt = rpo.SGD(list(model.parameters()) + [temp], lr=0.1)
+        calls = []
+        opt.register_step_post_hook(lambda *a: calls.append(1))
+        x, y = data("mlp", 0)
+        lf = lambda o, t: (((o - t) ** 2) * temp).sum() / 6  # noqa: E731
+        if use_lambda:
+            model.forward_backward(input_args=(x,), label=y, loss_fn=lf)
+            model.step(lambda: (opt.step(), opt.zero_grad()))
+        elif exact:
+            model.forward_backward(input_args=(x,), label=y, loss_fn=lf, optimizer=opt)
+        else:
+            model.forward_backward(input_args=(x,), label=y, loss_fn=lf)
+            model.step(opt)
+        model.synchronize()
+        results.append((temp.detach().clone(), temp.grad, len(calls),
+                        [p.detach().clone() for p in model.optim_parameters()]))
+    (t0, g0, c0, p0), (t1, g1, c1, p1) = results
+    assert torch.equal(t0, t1) and t1.item() != 1.0 and g1 is None and c1 == c0 == 1
+    for a, b in zip(p0, p1):
+        assert torch.equal(a, b)

@@ -19,6 +19,7 @@ import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -569,9 +570,11 @@ class RoundPipe(nn.Module):
         but each stage's parameters are stepped on the optimizer thread as soon as their
         gradients are final (right after the stage's backward), while the earlier stages'
         backward runs; the call returns without waiting for the last updates (the next call
-        waits for each layer's own update). With a :class:`roundpipe.optim.CpuOptimizer` the
-        fused entry point is used (gradients in, model copy out, per stage); any other optimizer
-        is stepped once, after the whole backward. The optimizer's hyperparameters are read
+        waits for each layer's own update). With a :class:`roundpipe.optim.CpuOptimizer` that
+        holds only this wrapper's optimizer copies and has no step hooks, the fused entry point
+        is used (gradients in, model copy out, per stage); any other optimizer (a
+        ``torch.optim`` one, one that also holds parameters from outside the wrapper, or one
+        with step hooks) is stepped once, after the whole backward. The optimizer's hyperparameters are read
         when the call starts. Not possible in this mode: clipping by the global gradient norm
         (use :meth:`step`). If the call raises, the stages already stepped stay stepped.
 
@@ -596,7 +599,7 @@ class RoundPipe(nn.Module):
         exact = None
         if optimizer is not None:
             self._hook_optimizer(optimizer)
-            if isinstance(optimizer, CpuOptimizer):
+            if self._layerwise(optimizer):
                 exact = (optimizer, _snapshot(optimizer))
         run = _Pass(self, mbs, True, label is not None, loss_fn, return_outputs, exact)
         with self._bg_lock:
@@ -637,10 +640,11 @@ class RoundPipe(nn.Module):
           the updated values (rounded to the model dtype) — also when ``step_fn`` raises, so
           the two copies never disagree;
         - an optimizer ``opt``: the same as ``lambda: (opt.step(), opt.zero_grad())``, bit for
-          bit (a :class:`roundpipe.optim.CpuOptimizer` is stepped layer by layer through its
-          fused entry point). Its hyperparameters are read when ``step`` is called (a
-          snapshot), so ``scheduler.step()`` right after ``step`` affects the next step, as in
-          a synchronous loop; its ``step``, ``state_dict`` and ``load_state_dict`` wait for a
+          bit (a :class:`roundpipe.optim.CpuOptimizer` over this wrapper's optimizer copies only,
+          without step hooks, is stepped layer by layer through its fused entry point). Its
+          hyperparameters are read when ``step`` is called (a snapshot), so
+          ``scheduler.step()`` right after ``step`` affects the next step, as in a synchronous
+          loop; its ``step``, ``state_dict`` and ``load_state_dict`` wait for a
           pending update.
 
         The gradients are cleared in both cases.
@@ -721,8 +725,21 @@ class RoundPipe(nn.Module):
             if write_back:
                 self._write_back_layers(range(len(self._layers)), release)
 
-    def _optimizer_job(self, opt, snapshot, grads, write_back: bool, release) -> None:
+    def _layerwise(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether ``opt`` can be stepped layer by layer through ``fused_step`` with the result
+        of ``opt.step()``: a ``roundpipe.optim`` optimizer holding only this wrapper's
+        optimizer copies and without step hooks (``fused_step`` runs none). Otherwise ``step``
+        and exact mode call ``opt.step()`` once all gradients are there."""
         if not isinstance(opt, CpuOptimizer):
+            return False
+        if (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
+                or _global_optimizer_pre_hooks or _global_optimizer_post_hooks):
+            return False
+        ours = {id(p) for p in self._optim_params}
+        return all(id(p) in ours for g in opt.param_groups for p in g["params"])
+
+    def _optimizer_job(self, opt, snapshot, grads, write_back: bool, release) -> None:
+        if not self._layerwise(opt):
             self._callable_job(lambda: (snapshot.step(), snapshot.zero_grad()), grads,
                                write_back, release)
             return

@@ -8,6 +8,7 @@ import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.optim import Optimizer
 
 from .. import _C
@@ -46,6 +47,16 @@ def check_betas(betas: Any) -> None:
     for i in (0, 1):
         if not 0.0 <= betas[i] < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]}")
+
+
+def mark_updated(params: list, model_copies: Optional[list] = None) -> None:
+    """The kernels write through raw pointers, which autograd cannot see: bump the version
+    counters of the updated parameters (and model copies) as torch's in-place ops do, so that
+    autograd still refuses a backward through values saved before the step."""
+    updated = [p for p in params if p is not None]
+    if model_copies:
+        updated += [c for c, p in zip(model_copies, params) if p is not None]
+    increment_version(updated)
 
 
 class StepStats(NamedTuple):
@@ -198,6 +209,7 @@ class CpuOptimizer(Optimizer):
         kparams = [None if st is None else p for p, st in zip(params, pstates)]
         type(self)._kernel(self._options(group), kparams, grads, states, scalars, model_copies, io,
                            self.num_threads or 0)
+        mark_updated(kparams, model_copies)
 
     def _group_index(self) -> dict[int, int]:
         """id(parameter) -> index of its param group, rebuilt when the groups change."""

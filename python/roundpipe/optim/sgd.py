@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from .. import _C
-from ._base import CpuOptimizer, check_tensor_lr, scalar
+from ._base import CpuOptimizer, mark_updated, check_tensor_lr, scalar
 
 # The kernel's flag for a momentum buffer that already holds a value. The kernel writes a flag
 # only when it turns it from 0 to 1, so this one tensor serves every such buffer and is never
@@ -135,6 +135,7 @@ class SGD(CpuOptimizer):
             [buffers] if use_momentum else [], [ready] if use_momentum else [],
             model_copies, io, self.num_threads or 0,
         )
+        mark_updated(params, model_copies)
         for p, buf in created:
             self.state[p]["momentum_buffer"] = buf
 
