@@ -97,8 +97,8 @@ def _bad_calls(p, q, other):
         (TypeError, r"model_copies\[1\] must be a tensor", ([p, q], [ones, ones], [ones, None]), {}),
         (ValueError, r"model_copies\[0\] must be contiguous",
          ([p], [ones], [torch.ones(12)[::2]]), {}),
-        (ValueError, "grad_scale must be a finite number > 0", ([p], [ones]), {"grad_scale": 0.0}),
-        (ValueError, "grad_scale must be a finite number > 0", ([p], [ones]),
+        (ValueError, "grad_scale must be a number", ([p], [ones]), {"grad_scale": 0.0}),
+        (ValueError, "grad_scale must be a number", ([p], [ones]),
          {"grad_scale": float("nan")}),
         (RuntimeError, "sparse", ([p], [ones.to_sparse()]), {}),
     ]
@@ -174,3 +174,56 @@ def test_negated_views_are_refused():
     with pytest.raises(ValueError, match="negated view"):
         opt.step()
     assert torch.equal(p, torch.zeros(4))
+
+
+def test_grad_scale_forms_and_limits():
+    p = torch.zeros(3, requires_grad=True)
+    opt = rpo.SGD([p], lr=1.0)
+    opt.fused_step([p], [torch.full((3,), 4.0)], grad_scale=torch.tensor(4.0))  # GradScaler's
+    assert torch.equal(p, torch.full((3,), -1.0))
+    for bad in (True, 2**2000, 1e-300, torch.tensor([1.0, 2.0]), torch.tensor(2), "2"):
+        with pytest.raises(ValueError, match="grad_scale"):
+            opt.fused_step([p], [torch.ones(3)], grad_scale=bad)
+    assert torch.equal(p, torch.full((3,), -1.0))
+
+
+def test_a_bad_group_is_refused_before_any_group_steps():
+    a, b = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    opt = rpo.Adam([a], lr=0.1)
+    opt.add_param_group({"params": [b]})
+    opt.param_groups[1]["differentiable"] = True
+    with pytest.raises(ValueError, match="differentiable"):
+        opt.fused_step([a, b], [torch.ones(3), torch.ones(3)])
+    assert torch.equal(a, torch.ones(3)) and not opt.state
+    with pytest.raises(ValueError, match="differentiable"):
+        opt.add_param_group({"params": [torch.ones(2, requires_grad=True)], "differentiable": True})
+    assert len(opt.param_groups) == 2
+
+
+def test_a_parameter_replaced_in_its_group_is_found():
+    a, b = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    opt = rpo.SGD([a], lr=0.5)
+    opt.fused_step([a], [torch.ones(3)])
+    opt.param_groups[0]["params"][0] = b
+    with pytest.raises(ValueError, match="not a parameter"):
+        opt.fused_step([a], [torch.ones(3)])
+    opt.fused_step([b], [torch.ones(3)])
+    assert torch.equal(b, torch.full((3,), 0.5)) and torch.equal(a, torch.full((3,), 0.5))
+
+
+def test_no_scheduler_warning_and_num_threads_survives_copies():
+    import copy
+    import pickle
+    import warnings
+
+    p = torch.zeros(3, requires_grad=True)
+    opt = rpo.Adam([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.fused_step([p], [torch.ones(3)])
+        sched.step()
+    opt.num_threads = __import__("numpy").int64(2)
+    assert opt.num_threads == 2 and type(opt.num_threads) is int
+    assert copy.deepcopy(opt).num_threads == 2
+    assert pickle.loads(pickle.dumps(opt)).num_threads == 2

@@ -4,6 +4,8 @@ messages), and gathering a parameter group into the lists one C++ call takes."""
 
 from __future__ import annotations
 
+import numbers
+import operator
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -57,6 +59,27 @@ def mark_updated(params: list, model_copies: Optional[list] = None) -> None:
     if model_copies:
         updated += [c for c, p in zip(model_copies, params) if p is not None]
     increment_version(updated)
+
+
+def _grad_scale(grad_scale: Any, name: str) -> float:
+    """``grad_scale`` (None, a real number or a 1-element tensor, e.g. a GradScaler's scale)
+    as a float whose float32 reciprocal is finite and > 0."""
+    if grad_scale is None:
+        return 1.0
+    ok = not isinstance(grad_scale, bool) and (
+        isinstance(grad_scale, numbers.Real)
+        or (isinstance(grad_scale, torch.Tensor) and grad_scale.numel() == 1
+            and grad_scale.is_floating_point()))
+    try:
+        value = float(grad_scale) if ok else float("nan")
+    except OverflowError:
+        value = float("inf")
+    inv = torch.tensor(1.0 / value if 0.0 < value < float("inf") else float("nan"),
+                       dtype=torch.float32)
+    if not (0.0 < value < float("inf")) or not (0.0 < float(inv) < float("inf")):
+        raise ValueError(f"{name}: grad_scale must be a number or 1-element floating tensor, "
+                         f"finite and > 0 with a finite float32 reciprocal, got {grad_scale!r}")
+    return value
 
 
 class StepStats(NamedTuple):
@@ -118,9 +141,15 @@ class CpuOptimizer(Optimizer):
 
     @num_threads.setter
     def num_threads(self, n: Optional[int]) -> None:
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024):
-            raise ValueError(f"roundpipe.optim.{type(self).__name__}.num_threads must be None or "
-                             f"an int in [1, 1024], got {n!r}")
+        if n is not None:
+            try:
+                value = None if isinstance(n, bool) else operator.index(n)
+            except TypeError:
+                value = None
+            if value is None or not 1 <= value <= 1024:
+                raise ValueError(f"roundpipe.optim.{type(self).__name__}.num_threads must be "
+                                 f"None or an int in [1, 1024], got {n!r}")
+            n = value
         self._num_threads = n
 
     def _check_placeholders(self, group: dict[str, Any]) -> None:
@@ -211,16 +240,33 @@ class CpuOptimizer(Optimizer):
                            self.num_threads or 0)
         mark_updated(kparams, model_copies)
 
-    def _group_index(self) -> dict[int, int]:
-        """id(parameter) -> index of its param group, rebuilt when the groups change."""
-        key = tuple(id(g["params"]) for g in self.param_groups) + tuple(
-            len(g["params"]) for g in self.param_groups)
-        cached = getattr(self, "_group_index_cache", None)
-        if cached is None or cached[0] != key:
-            index = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
-            cached = (key, index)
-            self._group_index_cache = cached
-        return cached[1]
+    def _group_of(self, p: torch.Tensor) -> Optional[int]:
+        """Index of the param group holding ``p`` (None if none does), from an index rebuilt
+        whenever it disagrees with the groups (checked at the cached position)."""
+        for attempt in (0, 1):
+            index = getattr(self, "_group_index_cache", None)
+            if index is None or attempt == 1:
+                index = {id(q): (gi, k) for gi, g in enumerate(self.param_groups)
+                         for k, q in enumerate(g["params"])}
+                self._group_index_cache = index
+            where = index.get(id(p))
+            if where is not None:
+                gi, k = where
+                if (gi < len(self.param_groups) and k < len(self.param_groups[gi]["params"])
+                        and self.param_groups[gi]["params"][k] is p):
+                    return gi
+        return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_num_threads"] = self.num_threads  # kept by copy.deepcopy and pickling
+        return state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; ``capturable``/``differentiable``
+        True is a ``ValueError`` here too, before the group is added."""
+        self._check_placeholders(param_group)
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def fused_step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -243,7 +289,7 @@ class CpuOptimizer(Optimizer):
             model_copies: optional, one tensor per parameter, same shape; float32, bfloat16 or
                 float16, CPU, contiguous: receives the updated parameter.
             grad_scale: the gradients are multiplied by ``1 / grad_scale`` (e.g. a loss scale;
-                must be finite and > 0). The update is applied even when a gradient is inf or
+                a number or a 1-element floating tensor, finite and > 0). The update is applied even when a gradient is inf or
                 NaN; check ``found_inf`` (or check the gradients before) to skip a step.
             grad_norm: also return the squared L2 norm of the unscaled gradients.
 
@@ -252,11 +298,16 @@ class CpuOptimizer(Optimizer):
 
         Raises:
             ValueError: a parameter is not in this optimizer or is given twice, the lists differ
-                in length, a tensor's shape differs from its parameter's, or ``grad_scale`` is
-                not finite and > 0.
+                in length, a tensor's shape differs from its parameter's, a tensor is a negated
+                view, a group asks for ``capturable``/``differentiable``, or ``grad_scale`` is
+                not finite and > 0 (with a finite float32 reciprocal).
             TypeError: a tensor has the wrong dtype or device.
             RuntimeError: a gradient is sparse.
-        Nothing is modified when a check fails.
+        Nothing is modified when a check of the arguments fails. The parameters' own tensors
+        (parameter, state) are checked group by group as each group steps, as in :meth:`step`:
+        a bad tensor there (e.g. a corrupted state tensor) leaves the earlier groups stepped.
+        Step hooks do not run (this is a partial step); for torch's LR schedulers it counts
+        as an optimizer step.
         """
         name = f"roundpipe.optim.{type(self).__name__}.fused_step"
         params, grads = list(params), list(grads)
@@ -265,20 +316,19 @@ class CpuOptimizer(Optimizer):
             raise ValueError(f"{name}: params, grads and model_copies must have the same length, "
                              f"got {len(params)}, {len(grads)}"
                              + (f", {len(copies)}" if copies is not None else ""))
-        if grad_scale is not None and not (isinstance(grad_scale, (int, float))
-                                           and 0.0 < grad_scale < float("inf")):
-            raise ValueError(f"{name}: grad_scale must be a finite number > 0, got {grad_scale!r}")
-        index = self._group_index()
+        scale = _grad_scale(grad_scale, name)
         by_group: dict[int, list[int]] = {}
         seen: set[int] = set()
         for i, p in enumerate(params):
-            gi = index.get(id(p))
+            gi = self._group_of(p)
             if gi is None:
                 raise ValueError(f"{name}: params[{i}] is not a parameter of this optimizer")
             if id(p) in seen:
                 raise ValueError(f"{name}: params[{i}] is given twice")
             seen.add(id(p))
             by_group.setdefault(gi, []).append(i)
+        for gi in by_group:  # before any group steps
+            self._check_placeholders(self.param_groups[gi])
         for i, (p, g) in enumerate(zip(params, grads)):
             if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
                 raise TypeError(f"{name}: params[{i}] must be a contiguous float32 CPU tensor, "
@@ -300,8 +350,9 @@ class CpuOptimizer(Optimizer):
                 if not t.is_contiguous():
                     raise ValueError(f"{name}: {what}[{i}] must be contiguous")
         io = _C.StepIO()
-        io.grad_scale = float(grad_scale) if grad_scale is not None else 1.0
+        io.grad_scale = scale
         io.want_grad_norm = bool(grad_norm)
+        self._opt_called = True  # an optimizer step for torch's LR schedulers (no warning)
         found_inf, norm_sq = False, 0.0
         for gi, positions in sorted(by_group.items()):
             group = self.param_groups[gi]
