@@ -303,7 +303,8 @@ class RoundPipe(nn.Module):
         if optim_dtype is not None and not (isinstance(optim_dtype, torch.dtype)
                                             and optim_dtype.is_floating_point):
             raise ValueError(f"RoundPipe: optim_dtype must be a floating torch.dtype, got {optim_dtype!r}")
-        if num_microbatch is not None and (not isinstance(num_microbatch, int) or num_microbatch < 1):
+        if num_microbatch is not None and (not isinstance(num_microbatch, int)
+                                           or isinstance(num_microbatch, bool) or num_microbatch < 1):
             raise ValueError(f"RoundPipe: num_microbatch must be an int >= 1, got {num_microbatch!r}")
         if pin_memory not in PIN_MODES:
             raise ValueError(f"RoundPipe: pin_memory must be one of {PIN_MODES}, got {pin_memory!r}")
@@ -499,7 +500,7 @@ class RoundPipe(nn.Module):
 
     def _microbatches(self, args, kwargs, label, num_microbatch) -> list:
         n = num_microbatch if num_microbatch is not None else self.num_microbatch
-        if not isinstance(n, int) or n < 1:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"RoundPipe: num_microbatch must be an int >= 1, got {n!r}")
         return self._split(tuple(args), dict(kwargs or {}), label, n)
 
@@ -732,7 +733,9 @@ class RoundPipe(nn.Module):
         and exact mode call ``opt.step()`` once all gradients are there."""
         if not isinstance(opt, CpuOptimizer):
             return False
-        if (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
+        user_pre_hooks = [h for h in opt._optimizer_step_pre_hooks.values()
+                          if not getattr(h, "roundpipe_wait", False)]
+        if (user_pre_hooks or opt._optimizer_step_post_hooks
                 or _global_optimizer_pre_hooks or _global_optimizer_post_hooks):
             return False
         ours = {id(p) for p in self._optim_params}
@@ -890,6 +893,7 @@ class RoundPipe(nn.Module):
             if owner is not None:
                 owner._wait_background()
 
+        wait.roundpipe_wait = True  # not a user hook (see _layerwise)
         opt.register_step_pre_hook(wait)
         opt.register_state_dict_pre_hook(wait)
         opt.register_load_state_dict_pre_hook(wait)

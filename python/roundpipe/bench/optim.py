@@ -35,6 +35,8 @@ import torch
 import roundpipe.optim as rpo
 from roundpipe import _C
 
+from . import positive_float, positive_int, writable_path
+
 # name -> (roundpipe class, torch class, whether torch has fused=True for CPU)
 ALGORITHMS = {
     "Adadelta": (rpo.Adadelta, torch.optim.Adadelta, False),
@@ -258,17 +260,21 @@ def format_row(r: Row) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m roundpipe.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="The pipeline benchmark (RoundPipe training with and "
+                                        "without overlap): python -m roundpipe.bench pipeline "
+                                        "--help")
     ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    ap.add_argument("--threads", type=int, default=1, help="threads for ours and torch (default 1)")
-    ap.add_argument("--repeats", type=int, default=7, help="timed rounds per contender (median)")
-    ap.add_argument("--scale", type=float, default=1.0,
+    ap.add_argument("--threads", type=positive_int, default=1, help="threads for ours and torch (default 1)")
+    ap.add_argument("--repeats", type=positive_int, default=7, help="timed rounds per contender (median)")
+    ap.add_argument("--scale", type=positive_float, default=1.0,
                     help="multiply every layout's element count by this factor (e.g. 0.01 for a "
                          "quick run)")
     ap.add_argument("--mixed-layout", default="200x250k", choices=list(LAYOUTS) + ["none"],
                     help="layout of the mixed-precision table (default 200x250k; none: skip it)")
-    ap.add_argument("--json", help="also write the results as JSON to this file")
+    ap.add_argument("--json", type=writable_path,
+                    help="also write the results as JSON to this file")
     args = ap.parse_args(argv)
     print(f"RoundPipe optimizer benchmark: ISA {rpo.active_isa()}, {args.threads} thread(s), "
           f"median of {args.repeats}; ns per parameter; %floor = floor time / our time")

@@ -25,10 +25,13 @@ import json
 import time
 
 import torch
+
 from torch import nn
 
 import roundpipe.optim as rpo
 from roundpipe import OptimizerCtx, RoundPipe
+
+from . import positive_int, writable_path
 
 MODES = ("off", "async", "exact")
 
@@ -116,7 +119,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per batch (default 8)")
     ap.add_argument("--iters", type=int, default=4, help="timed iterations (default 4)")
-    ap.add_argument("--microbatches", type=int, default=None,
+    ap.add_argument("--microbatches", type=positive_int, default=None,
                     help="microbatches per batch (default: devices + 1)")
     ap.add_argument("--layers-per-stage", type=int, default=1, help="default 1")
     ap.add_argument("--devices", default=None,
@@ -125,7 +128,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    ap.add_argument("--json", help="also write the results as JSON to this file")
+    ap.add_argument("--json", type=writable_path,
+                    help="also write the results as JSON to this file")
     args = ap.parse_args(argv)
     for name in ("layers", "hidden", "heads", "vocab", "seq", "batch", "iters", "layers_per_stage"):
         if getattr(args, name) < 1:
@@ -134,6 +138,18 @@ def main(argv=None) -> None:
         ap.error("--hidden must be a multiple of --heads")
     devices = (args.devices.split(",") if args.devices
                else ["cuda:0"] if torch.cuda.is_available() else ["cpu", "cpu"])
+    for d in devices:
+        try:
+            device = torch.device(d)
+        except (RuntimeError, ValueError):
+            ap.error(f"--devices: {d!r} is not a device")
+        if device.type not in ("cpu", "cuda"):
+            ap.error(f"--devices: {d!r}: only cpu and cuda devices are supported")
+        if device.type == "cuda" and not (torch.cuda.is_available()
+                                          and (device.index or 0) < torch.cuda.device_count()):
+            ap.error(f"--devices: {d!r} is not available on this machine")
+    if len({torch.device(d).type for d in devices}) > 1:
+        ap.error("--devices: CPU and CUDA devices cannot be mixed")
     cuda = devices[0].startswith("cuda")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
 
