@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_pipeline_benchmark_runs_on_cpu_workers(tmp_path):
     out = tmp_path / "pipeline.json"
@@ -17,10 +19,15 @@ def test_pipeline_benchmark_runs_on_cpu_workers(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "tokens/s" in r.stdout and "wait optimizer" in r.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert [row["mode"] for row in rows] == ["off", "async", "exact"]
+    assert [row["mode"] for row in rows] == ["off", "async", "exact", "torch"]
     for row in rows:
         assert row["tokens_per_s"] > 0
-        assert 0 <= row["wait_weights_pct"] <= 100 and 0 <= row["wait_optimizer_pct"] <= 100
+        if row["mode"] != "torch":
+            assert 0 <= row["wait_weights_pct"] <= 100 and 0 <= row["wait_optimizer_pct"] <= 100
+    # the same training as plain PyTorch (fp32 on the CPU; async is one step stale)
+    loss = {row["mode"]: row["final_loss"] for row in rows}
+    assert loss["off"] == pytest.approx(loss["torch"], rel=1e-4)
+    assert loss["exact"] == pytest.approx(loss["torch"], rel=1e-4)
 
 
 def test_pipeline_benchmark_rejects_bad_sizes():

@@ -4,7 +4,10 @@ weights and for the optimizer:
 
 - ``off``: overlap disabled (``step(opt)`` after each ``forward_backward``, no prefetch);
 - ``async``: ``step(opt, is_async=True)`` (one step of staleness, see ``RoundPipe.step``);
-- ``exact``: ``forward_backward(optimizer=opt)`` (per-stage steps during the backward pass).
+- ``exact``: ``forward_backward(optimizer=opt)`` (per-stage steps during the backward pass);
+- ``torch``: the reference, plain PyTorch training of the same model, whole, on the first
+  device, in the model dtype, with ``torch.optim.AdamW`` (fused on CUDA); "does not fit" when
+  the device runs out of memory.
 
 Device time is the run's wall time times the number of devices. "Waited for weights": weight
 uploads the compute waited for (on the CPU the copies themselves; on CUDA measured on the
@@ -33,7 +36,7 @@ from roundpipe import OptimizerCtx, RoundPipe
 
 from . import positive_int, writable_path
 
-MODES = ("off", "async", "exact")
+MODES = ("off", "async", "exact", "torch")
 
 
 def build_model(layers: int, hidden: int, heads: int, vocab: int, dtype: torch.dtype) -> nn.Sequential:
@@ -91,6 +94,47 @@ def run_mode(mode: str, args, devices: list[str], dtype: torch.dtype) -> dict:
     }
     if stats["upload_s"] > 0:
         row["upload_gb_s"] = stats["upload_bytes"] / stats["upload_s"] / 1e9
+    return row
+
+
+def run_torch(args, device: str, dtype: torch.dtype) -> dict:
+    """Plain PyTorch: the same model, batches and loss on ``device`` alone, ``torch.optim.AdamW``
+    (fused on CUDA) over the model's own parameters in ``dtype``."""
+    row = {"mode": "torch", "wait_weights_pct": None, "wait_optimizer_pct": None}
+    try:
+        net = build_model(args.layers, args.hidden, args.heads, args.vocab, dtype).to(device)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4,
+                                **({"fused": True} if device.startswith("cuda") else {}))
+        g = torch.Generator().manual_seed(1)
+        batches = [torch.randint(args.vocab, (args.batch, args.seq + 1), generator=g)
+                   for _ in range(args.iters + 1)]
+        tokens = args.batch * args.seq
+
+        def iteration(b):
+            b = b.to(device)
+            logits = net(b[:, :-1])
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), b[:, 1:].flatten(),
+                                               reduction="sum") / tokens
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        def sync():
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
+
+        iteration(batches[0])
+        sync()
+        start = time.perf_counter()
+        losses = [iteration(b) for b in batches[1:]]
+        sync()
+        elapsed = time.perf_counter() - start
+        row.update(tokens_per_s=tokens * args.iters / elapsed, seconds=elapsed,
+                   final_loss=float(losses[-1]))
+    except torch.cuda.OutOfMemoryError:
+        row.update(tokens_per_s=None, note="does not fit on the device")
+        torch.cuda.empty_cache()
     return row
 
 
@@ -155,22 +199,29 @@ def main(argv=None) -> None:
 
     print(f"transformer: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch "
           f"{args.batch}, {args.iters} iterations, {dtype}, devices {','.join(devices)}")
-    rows = [run_mode(mode, args, devices, dtype) for mode in args.modes]
+    rows = [run_torch(args, devices[0], dtype) if mode == "torch"
+            else run_mode(mode, args, devices, dtype) for mode in args.modes]
     peak = pinned_copy_peak_gb_s(devices[0]) if cuda else None
     header = f"{'mode':<7}{'tokens/s':>12}{'wait weights':>14}{'wait optimizer':>16}"
     if cuda:
         header += f"{'upload GB/s':>13}{'% of peak':>11}"
     print(header)
+    def pct(x, width: int) -> str:
+        return f"{'-':>{width + 1}}" if x is None else f"{x:>{width}.1f}%"
+
     for r in rows:
-        line = (f"{r['mode']:<7}{r['tokens_per_s']:>12.1f}{r['wait_weights_pct']:>13.1f}%"
-                f"{r['wait_optimizer_pct']:>15.1f}%")
+        tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
+        line = (f"{r['mode']:<7}{tps:>12}{pct(r['wait_weights_pct'], 13)}"
+                f"{pct(r['wait_optimizer_pct'], 15)}")
+        if "note" in r:
+            line += f"  ({r['note']})"
         if cuda and "upload_gb_s" in r:
             line += f"{r['upload_gb_s']:>13.2f}{100 * r['upload_gb_s'] / peak:>10.1f}%"
         print(line)
     off = next((r for r in rows if r["mode"] == "off"), None)
     if off:
         for r in rows:
-            if r is not off:
+            if r is not off and r["tokens_per_s"] is not None:
                 print(f"{r['mode']}: {r['tokens_per_s'] / off['tokens_per_s']:.2f}x the tokens/s "
                       "of overlap off")
     if cuda:
