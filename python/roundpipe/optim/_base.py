@@ -106,7 +106,9 @@ class CpuOptimizer(Optimizer):
     - ``_state_keys``: its per-element state tensors, in the kernel's slot order;
     - ``_scalar_keys``: its 0-dim float32 state tensors, ``"step"`` first;
     - ``_active_state_keys(group)``: the state keys a group uses (default: all);
-    - ``_init_state(group, p, state)``: fills the missing keys as torch initialises them;
+    - ``_group_defaults``: the options torch's ``__setstate__`` adds to old param groups;
+    - ``_init_state(group, p, state)``: fills the missing keys as torch initialises them
+      (default: zeros; see below);
     - ``_options(group)``: the ``roundpipe._C.<Name>Options`` for a group.
 
     ``foreach`` and ``fused`` are accepted and ignored with a ``UserWarning`` (the group keeps
@@ -117,6 +119,9 @@ class CpuOptimizer(Optimizer):
     _kernel: Callable[..., None]
     _state_keys: tuple[str, ...] = ()
     _scalar_keys: tuple[str, ...] = ("step",)
+    # options the torch class's __setstate__ adds to param groups of old checkpoints
+    _group_defaults: dict[str, Any] = {"foreach": None, "maximize": False,
+                                       "differentiable": False, "capturable": False}
 
     def __init__(self, params, defaults: dict[str, Any]) -> None:
         name = type(self).__name__
@@ -199,7 +204,26 @@ class CpuOptimizer(Optimizer):
         return self._state_keys
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict) -> None:
-        raise NotImplementedError
+        """Creates the missing state as torch initialises most algorithms' state: each 0-dim
+        value (``_scalar_keys``) a float32 zero, each per-element tensor the group uses
+        (``_active_state_keys``) zeros shaped like ``p``. Algorithms that start elsewhere
+        override it."""
+        for key in self._scalar_keys:
+            if key not in state:
+                state[key] = torch.zeros((), dtype=torch.float32)
+        for key in self._active_state_keys(group):
+            if key not in state:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """As torch's ``__setstate__``: param groups from old checkpoints get the options they
+        lack (``_group_defaults``, the keys the torch class fills in), and 0-dim state saved as
+        Python numbers becomes float32 tensors again."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self._group_defaults.items():
+                group.setdefault(key, value)
+        self._scalar_state_to_tensors(self._scalar_keys)
 
     def _options(self, group: dict[str, Any]) -> Any:
         raise NotImplementedError

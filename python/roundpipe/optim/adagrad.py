@@ -50,6 +50,7 @@ class Adagrad(CpuOptimizer):
 
     _kernel = _C.adagrad_step
     _state_keys = ("sum",)
+    _group_defaults = {"foreach": None, "maximize": False, "differentiable": False, "fused": None}
 
     def __init__(
         self,
@@ -85,15 +86,6 @@ class Adagrad(CpuOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 self._init_state(group, p, self.state[p])
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("foreach", None)
-            group.setdefault("maximize", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("fused", None)
-        self._scalar_state_to_tensors()
 
     def share_memory(self) -> None:
         """Calls ``tensor.share_memory_()`` on the state ``sum`` tensors, as torch does."""

@@ -45,6 +45,8 @@ class Adam(CpuOptimizer):
 
     _kernel = _C.adam_step
     _state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _group_defaults = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                       "differentiable": False, "decoupled_weight_decay": False, "fused": None}
 
     def __init__(
         self,
@@ -89,29 +91,8 @@ class Adam(CpuOptimizer):
         )
         super().__init__(params, defaults)
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("amsgrad", False)
-            group.setdefault("maximize", False)
-            group.setdefault("foreach", None)
-            group.setdefault("capturable", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("decoupled_weight_decay", False)
-            group.setdefault("fused", None)
-        self._scalar_state_to_tensors()
-
     def _active_state_keys(self, group):
         return self._state_keys if group["amsgrad"] else self._state_keys[:2]
-
-    def _init_state(self, group, p, state):
-        zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = zeros()
-            state["exp_avg_sq"] = zeros()
-        if group["amsgrad"] and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = zeros()
 
     def _options(self, group):
         o = _C.AdamOptions()

@@ -77,19 +77,6 @@ class Adamax(CpuOptimizer):
         )
         super().__init__(params, defaults)
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("foreach", None)
-            group.setdefault("maximize", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("capturable", False)
-        self._scalar_state_to_tensors()
-
-    def _init_state(self, group, p, state):
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_inf"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _options(self, group):
         o = _C.AdamaxOptions()

@@ -86,15 +86,6 @@ class ASGD(CpuOptimizer):
         )
         super().__init__(params, defaults)
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("foreach", None)
-            group.setdefault("maximize", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("capturable", False)
-        self._scalar_state_to_tensors(("step", "eta", "mu"))
-
     def _init_state(self, group, p, state):
         state["step"] = torch.zeros((), dtype=torch.float32)
         state["eta"] = torch.tensor(scalar(group["lr"]), dtype=torch.float32)

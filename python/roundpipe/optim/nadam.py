@@ -46,6 +46,7 @@ class NAdam(CpuOptimizer):
     _kernel = _C.nadam_step
     _state_keys = ("exp_avg", "exp_avg_sq")
     _scalar_keys = ("step", "mu_product")
+    _group_defaults = {**CpuOptimizer._group_defaults, "decoupled_weight_decay": False}
 
     def __init__(
         self,
@@ -80,22 +81,6 @@ class NAdam(CpuOptimizer):
             differentiable=differentiable,
         )
         super().__init__(params, defaults)
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("maximize", False)
-            group.setdefault("foreach", None)
-            group.setdefault("capturable", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("decoupled_weight_decay", False)
-            for p in group["params"]:
-                p_state = self.state.get(p, [])
-                if len(p_state) != 0:
-                    if not torch.is_tensor(p_state["step"]):
-                        p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
-                    if not torch.is_tensor(p_state["mu_product"]):
-                        p_state["mu_product"] = torch.tensor(p_state["mu_product"], dtype=torch.float32)
 
     def _init_state(self, group, p, state):
         if "step" not in state:

@@ -46,6 +46,7 @@ class RAdam(CpuOptimizer):
 
     _kernel = _C.radam_step
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _group_defaults = {**CpuOptimizer._group_defaults, "decoupled_weight_decay": False}
 
     def __init__(
         self,
@@ -78,21 +79,6 @@ class RAdam(CpuOptimizer):
         )
         super().__init__(params, defaults)
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("foreach", None)
-            group.setdefault("maximize", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("decoupled_weight_decay", False)
-            group.setdefault("capturable", False)
-        self._scalar_state_to_tensors()
-
-    def _init_state(self, group, p, state):
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _options(self, group):
         o = _C.RAdamOptions()

@@ -48,6 +48,7 @@ class RMSprop(CpuOptimizer):
 
     _kernel = _C.rmsprop_step
     _state_keys = ("square_avg", "momentum_buffer", "grad_avg")
+    _group_defaults = {**CpuOptimizer._group_defaults, "momentum": 0, "centered": False}
 
     def __init__(
         self,
@@ -82,17 +83,6 @@ class RMSprop(CpuOptimizer):
         )
         super().__init__(params, defaults)
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("momentum", 0)
-            group.setdefault("centered", False)
-            group.setdefault("foreach", None)
-            group.setdefault("maximize", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("capturable", False)
-        self._scalar_state_to_tensors()
-
     def _active_state_keys(self, group):
         keys = ("square_avg",)
         if group["momentum"] > 0:
@@ -100,15 +90,6 @@ class RMSprop(CpuOptimizer):
         if group["centered"]:
             keys += ("grad_avg",)
         return keys
-
-    def _init_state(self, group, p, state):
-        # torch creates the state of a parameter at its first step; ours also creates a buffer
-        # that an option switched on later needs (torch raises KeyError there).
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-        for key in self._active_state_keys(group):
-            if key not in state:
-                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _options(self, group):
         o = _C.RMSpropOptions()

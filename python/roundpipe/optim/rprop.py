@@ -77,15 +77,6 @@ class Rprop(CpuOptimizer):
         )
         super().__init__(params, defaults)
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("foreach", None)
-            group.setdefault("maximize", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("capturable", False)
-        self._scalar_state_to_tensors()
-
     def _init_state(self, group, p, state):
         if "step" not in state:
             lr = group["lr"]

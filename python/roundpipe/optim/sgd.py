@@ -52,6 +52,8 @@ class SGD(CpuOptimizer):
     _kernel = _C.sgd_step
     _state_keys = ("momentum_buffer",)
     _scalar_keys = ()
+    _group_defaults = {"nesterov": False, "maximize": False, "foreach": None,
+                       "differentiable": False, "fused": False}
 
     def __init__(
         self,
@@ -89,15 +91,6 @@ class SGD(CpuOptimizer):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         super().__init__(params, defaults)
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("nesterov", False)
-            group.setdefault("maximize", False)
-            group.setdefault("foreach", None)
-            group.setdefault("differentiable", False)
-            group.setdefault("fused", False)
 
     def _step_tensors(self, group, group_params, group_grads, model_copies=None, io=None):
         """One kernel call over ``group_params`` with ``group_grads``, as torch.optim.SGD.step
