@@ -36,22 +36,28 @@ inline std::uint16_t float_to_bf16(float x) {
   return std::uint16_t((pick_up ? up : down) >> 16);
 }
 
-// IEEE half through the compiler's half type (round to nearest even).
-#if defined(__aarch64__)
-using Half = __fp16;
-#else
-using Half = _Float16;
-#endif
+// IEEE half <-> float from the format's definition, in double (portable: no compiler half
+// type): a half is (-1)^s * 2^(e - 15) * (1 + m / 1024), or 2^-14 * m / 1024 when e == 0.
+// Narrowing rounds x / quantum to the nearest integer, ties to even (std::nearbyint in the
+// default rounding mode); magnitudes that round to 65536 or more become inf; NaN -> 0x7e00.
 inline float f16_to_float(std::uint16_t h) {
-  Half x;
-  std::memcpy(&x, &h, sizeof h);
-  return float(x);
+  const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  const double sign = (h & 0x8000) ? -1.0 : 1.0;
+  if (e == 0x1f) return m ? NAN : float(sign * INFINITY);
+  return float(sign * (e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25)));
 }
 inline std::uint16_t float_to_f16(float x) {
-  const Half h = static_cast<Half>(x);
-  std::uint16_t u;
-  std::memcpy(&u, &h, sizeof u);
-  return std::isnan(x) ? std::uint16_t((u & 0x8000u) | 0x7e00u) : u;
+  const std::uint16_t sign = std::signbit(x) ? 0x8000 : 0;
+  if (std::isnan(x)) return sign | 0x7e00;
+  const double a = std::fabs(double(x));
+  const int exponent = a < std::ldexp(1.0, -14) ? -14 : std::ilogb(a);  // of the binade
+  const double units = std::nearbyint(std::ldexp(a, 10 - exponent));     // quantum 2^(e-10)
+  const double rounded = std::ldexp(units, exponent - 10);
+  if (rounded >= 65536.0) return sign | 0x7c00;
+  if (rounded < std::ldexp(1.0, -14)) return sign | std::uint16_t(std::ldexp(rounded, 24));
+  const int e = std::ilogb(rounded);  // rounding may have carried into the next binade
+  return sign | std::uint16_t((e + 15) << 10) |
+         std::uint16_t(std::ldexp(rounded, 10 - e) - 1024.0);
 }
 
 inline float to_float(std::uint16_t h, roundpipe::Dtype d) {
