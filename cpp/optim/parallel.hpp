@@ -26,9 +26,9 @@ constexpr std::size_t kStageElements = 2048;
 
 // Calls fn(tensor, begin, end, chunk) over the elements [0, numel(tensor)) of tensors
 // [0, count), cut into chunks of kChunkElements at chunk-aligned offsets, in parallel; `chunk`
-// numbers them 0, 1, ... in tensor and element order. Returns the number of chunks.
+// numbers them 0, 1, ... in tensor and element order (count_chunks of them).
 template <class NumelFn, class Fn>
-std::size_t for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn) {
+void for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn) {
   std::vector<std::size_t> first_chunk(count + 1, 0);
   for (std::size_t t = 0; t < count; ++t)
     first_chunk[t + 1] = first_chunk[t] + (numel(t) + kChunkElements - 1) / kChunkElements;
@@ -45,7 +45,6 @@ std::size_t for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn) {
     const std::size_t end = std::min(begin + kChunkElements, (*c.numel)(t));
     (*c.fn)(t, begin, end, k);
   }, &ctx);
-  return first_chunk[count];
 }
 
 // Number of chunks for_each_chunk cuts `tensors` into.
