@@ -5,7 +5,7 @@ the optimizer runs on the CPU in fp32 with SIMD kernels (``roundpipe.optim``).
 """
 
 from .context import OptimizerCtx
-from .execute import layer_seed
+from .pipeline.execute import layer_seed
 from .microbatch import merge_outputs, split_microbatches
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .wrapper import RoundPipe
