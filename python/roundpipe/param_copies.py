@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from .host_buffers import HostBuffers
+from .host_buffers import HostBuffers, host_empty
 from .plan import Stage
 from .transfer import TensorRef
 
@@ -46,7 +46,8 @@ class ParamCopies:
                 raise ValueError(f"RoundPipe: trainable parameter {name!r} has dtype {p.dtype}")
             self.names.append(name)
             self.model.append(p)
-            self.optim.append(nn.Parameter(p.detach().to(optim_dtype or p.dtype, copy=True)))
+            copy = host_empty(p.shape, optim_dtype or p.dtype).copy_(p.detach())
+            self.optim.append(nn.Parameter(copy))
         self.lock = threading.Lock()
         self.pool = HostBuffers()
         self.stale: set[int] = set()  # model copies behind their optimizer copies (async step)

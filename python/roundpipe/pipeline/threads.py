@@ -113,8 +113,11 @@ def _run(future: cf.Future, fn: Callable[..., Any], args: tuple) -> None:
     try:
         future.set_result(fn(*args))
     except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        # this frame is in the error's traceback: it must not refer to the future holding
+        # the error (a cycle that keeps the job, and its RoundPipe, alive until gc runs)
+        fn = args = None  # noqa: F841
         future.set_exception(e)
-        del e
+        del e, future
 
 
 def _wait(event: threading.Event, abort: Optional[threading.Event]) -> None:
