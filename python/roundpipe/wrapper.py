@@ -16,7 +16,7 @@ import functools
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -274,6 +274,12 @@ class RoundPipe(nn.Module):
             (at most two stages resident per device).
         max_resident_bytes: CUDA only: no prefetch when the current and the next stage's
             weights together exceed this many bytes (default: no cap).
+        layers: the pipeline's layers, run in this order, instead of the entries of ``model``
+            (a sequence of modules; see :func:`roundpipe.wrap_model_to_roundpipe`, which builds
+            them for Hugging Face models). ``model`` stays the module the wrapper presents
+            (``state_dict`` keys, parameter names, attributes); every parameter and buffer of
+            the layers must be one of ``model``'s. A parameter used by several layers (tied
+            embeddings) is one parameter with one optimizer copy.
 
     Threads: one worker per device and one optimizer thread, all daemon threads, started on
     first use; errors on them reach the caller (see :meth:`forward_backward`, :meth:`step`).
@@ -282,8 +288,9 @@ class RoundPipe(nn.Module):
         ValueError: a parameter or buffer is not on the CPU, ``optim_dtype`` is not a floating
             dtype, ``layers_per_stage`` / ``num_microbatch`` is < 1, ``device`` is an empty
             list, names an unsupported device type or mixes CPU and CUDA, ``pin_memory`` is
-            not one of the modes, or ``max_resident_bytes`` < 0.
-        TypeError: ``model`` is not a module, a ``device`` entry is not a str or device,
+            not one of the modes, ``max_resident_bytes`` < 0, ``layers`` is empty or holds a
+            parameter or buffer that is not ``model``'s.
+        TypeError: ``model`` is not a module, a ``layers`` entry is not a module, a ``device`` entry is not a str or device,
             ``prefetch`` is not a bool.
     """
 
@@ -292,7 +299,8 @@ class RoundPipe(nn.Module):
                  num_microbatch: Optional[int] = None,
                  split_fn: Optional[Callable[..., list]] = None,
                  pin_memory: str = "auto", prefetch: bool = True,
-                 max_resident_bytes: Optional[int] = None) -> None:
+                 max_resident_bytes: Optional[int] = None,
+                 layers: Optional[Sequence[nn.Module]] = None) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be an nn.Module, got {type(model).__name__}")
@@ -314,12 +322,15 @@ class RoundPipe(nn.Module):
                                                or max_resident_bytes < 0):
             raise ValueError("RoundPipe: max_resident_bytes must be None or an int >= 0, got "
                              f"{max_resident_bytes!r}")
+        if layers is not None:
+            layers = list(layers)
+            _check_layers(model, layers)
         self.module = model
         self.devices = parse_devices(device)
         self.device = self.devices[0]
         self.prefetch = prefetch
         self.max_resident_bytes = max_resident_bytes
-        self._layers = split_layers(model)
+        self._layers = layers if layers is not None else split_layers(model)
         self._stages = make_stages(len(self._layers), layers_per_stage, self.devices)
         self.num_microbatch = num_microbatch or len(self.devices) + 1
         self._split = split_fn or mb.split_microbatches
@@ -956,6 +967,21 @@ class RoundPipe(nn.Module):
                     o.copy_(state_dict[name])
                 self._synced[i] = self._version(self._model_params[i])
         return result
+
+
+def _check_layers(model: nn.Module, layers: list) -> None:
+    """``RoundPipe(layers=...)``: a non-empty list of modules whose parameters and buffers all
+    belong to ``model`` (checked by identity)."""
+    if not layers:
+        raise ValueError("RoundPipe: layers must not be empty")
+    own = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"RoundPipe: layers[{i}] must be an nn.Module, got {type(layer).__name__}")
+        for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+            if id(t) not in own:
+                raise ValueError(f"RoundPipe: layers[{i}] has {name!r}, which is not a parameter "
+                                 "or buffer of model (every tensor of the layers must be the model's)")
 
 
 STAT_KEYS = ("wall_s", "device_s", "weights_wait_s", "optimizer_wait_s", "optimizer_s",
