@@ -60,9 +60,8 @@ def save_pretrained(wrapper: Any, save_directory: str, dtype: Optional[torch.dty
         state = hf_out.state_dict()
     else:
         hf_out = hf
-    old = hf_out.config.dtype
-    hf_out.config.dtype = dtype
-    try:
-        hf_out.save_pretrained(save_directory, state_dict=_cast(state, dtype), **kwargs)
-    finally:
-        hf_out.config.dtype = old
+    hf_out.save_pretrained(save_directory, state_dict=_cast(state, dtype), **kwargs)
+    # transformers records the model's own dtype in config.json; the weights are in ``dtype``
+    config = copy.deepcopy(hf_out.config)
+    config.dtype = dtype
+    config.save_pretrained(save_directory)
