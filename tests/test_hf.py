@@ -70,6 +70,20 @@ def wrapped_grads(w) -> dict:
             if w._grads[i] is not None}
 
 
+def train_both(ref, opt_ref, w, opt, seed: int, steps: int = 5) -> None:
+    """``steps`` steps of the reference model (plain PyTorch) and of the wrapper on the same
+    batches; the losses must agree at every step."""
+    for step in range(steps):
+        batch = make_batch(seed=seed + step)
+        want = ref(**batch).loss
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        got = w.forward_backward(input_kwargs=batch)
+        w.step(opt)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
 KINDS = ["llama", "qwen3_tied", "qwen3", "qwen3_moe", "mistral_sliding"]
 
 
@@ -165,15 +179,7 @@ def test_training_equals_plain_pytorch(kind):
     w = roundpipe.wrap_model_to_roundpipe(model, torch.float32, device="cpu", num_microbatch=2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-3, weight_decay=0.01)
     opt = roundpipe.optim.AdamW(w.optim_parameters(), lr=1e-3, eps=1e-3, weight_decay=0.01)
-    for step in range(5):
-        batch = make_batch(seed=10 + step)
-        want = ref(**batch).loss
-        want.backward()
-        opt_ref.step()
-        opt_ref.zero_grad()
-        got = w.forward_backward(input_kwargs=batch)
-        w.step(opt)
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    train_both(ref, opt_ref, w, opt, seed=10)
     sd = w.state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
@@ -217,15 +223,7 @@ def test_lora_equals_plain_peft_and_leaves_the_base_untouched(tmp_path):
     frozen_before = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
     opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, eps=1e-2)
     opt = roundpipe.optim.AdamW(w.optim_parameters(), lr=1e-2, eps=1e-2)
-    for step in range(5):
-        batch = make_batch(seed=20 + step)
-        want = ref(**batch).loss
-        want.backward()
-        opt_ref.step()
-        opt_ref.zero_grad()
-        got = w.forward_backward(input_kwargs=batch)
-        w.step(opt)
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    train_both(ref, opt_ref, w, opt, seed=20)
     sd, sd_ref = w.state_dict(), ref.state_dict()
     assert set(sd) == set(sd_ref)
     for k in sd_ref:
