@@ -284,7 +284,8 @@ def main() -> None:
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for _, p in named)
     print(f"{type(model.hf_model).__name__}: {total / 1e6:.1f}M parameters, {trained / 1e6:.2f}M "
-          f"trained{' (LoRA)' if args.lora else ''}; {len(model._layers)} pipeline layers; "
+          f"trained{' (LoRA)' if args.lora else ''}; "
+          f"{model.hf_model.config.num_hidden_layers + 2} pipeline layers; "
           f"{str(dtype).removeprefix('torch.')} model copy, float32 optimizer copies; "
           f"optimizer ISA {roundpipe.optim.active_isa()}, {roundpipe.optim.num_threads()} threads")
 
