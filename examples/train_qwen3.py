@@ -30,6 +30,7 @@ import json
 import math
 import os
 import pathlib
+import random
 import shutil
 import sys
 import sysconfig
@@ -79,10 +80,12 @@ def choose_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str
 # --- data ------------------------------------------------------------------------------------------
 
 def read_texts(path: pathlib.Path, limit: int) -> list[str]:
-    """A text file, or the .py/.txt/.md/.rst files under a folder (sorted), up to ``limit``
-    characters."""
+    """A text file, or the .py/.txt/.md/.rst files under a folder, up to ``limit`` characters;
+    the files in a fixed shuffled order, so a partial read samples the whole folder (the
+    standard library read alphabetically starts with tables of Unicode names)."""
     files = [path] if path.is_file() else sorted(
         p for p in path.rglob("*") if p.suffix in {".py", ".txt", ".md", ".rst"} and p.is_file())
+    random.Random(0).shuffle(files)
     texts, total = [], 0
     for f in files:
         texts.append(f.read_text("utf-8", "replace"))
