@@ -204,6 +204,9 @@ class OptimizerSide:
                 for i in final:
                     copies.grads[i] = None
                 self._fused_step(exact.snapshot, exact.owned, final, grads, write_back=True)
+                for i in final:
+                    if grads[i] is not None and (i not in direct or download.owned):
+                        copies.pool.give(grads[i])
         finally:
             direct = None  # noqa: F841
             if download is not None:
@@ -283,8 +286,7 @@ class OptimizerSide:
             todo = [i for i in copies.layer_params[li] if i not in done]
             done.update(todo)
             self._fused_step(twin, owned, todo, {i: grads[i] for i in todo}, write_back=False)
-            for i in todo:
-                grads[i] = None
+            self._give_back(grads, todo)
 
     def _callable_job(self, step_fn, grads, release, write_back: bool = True) -> Any:
         copies = self.copies
@@ -310,9 +312,15 @@ class OptimizerSide:
             todo = [i for i in copies.layer_params[li] if i not in done]
             done.update(todo)
             self._fused_step(twin, owned, todo, {i: grads[i] for i in todo}, write_back)
-            for i in todo:
-                grads[i] = None
+            self._give_back(grads, todo)
             release(li)
+
+    def _give_back(self, grads: list, indices: list[int]) -> None:
+        """The gradients ``indices`` were consumed by a fused step: their buffers are reused."""
+        for i in indices:
+            if grads[i] is not None:
+                self.copies.pool.give(grads[i])
+                grads[i] = None
 
     def _fused_step(self, twin, owned: set, indices: list[int], grads: dict,
                     write_back: bool) -> None:

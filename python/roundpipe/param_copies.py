@@ -17,6 +17,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from .host_buffers import HostBuffers
 from .plan import Stage
 from .transfer import TensorRef
 
@@ -47,6 +48,7 @@ class ParamCopies:
             self.model.append(p)
             self.optim.append(nn.Parameter(p.detach().to(optim_dtype or p.dtype, copy=True)))
         self.lock = threading.Lock()
+        self.pool = HostBuffers()
         self.stale: set[int] = set()  # model copies behind their optimizer copies (async step)
         self.rebuild()
 
@@ -78,7 +80,7 @@ class ParamCopies:
             if i in stages_of:
                 self.final_params[min(stages_of[i])].append(i)
 
-    _DERIVED = ("lock", "index", "known", "grads", "synced", "layer_params", "param_layers",
+    _DERIVED = ("lock", "pool", "index", "known", "grads", "synced", "layer_params", "param_layers",
                 "final_params")
 
     def __getstate__(self) -> dict:
@@ -89,6 +91,7 @@ class ParamCopies:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.lock = threading.Lock()
+        self.pool = HostBuffers()
         self.rebuild()
 
     @staticmethod
@@ -177,17 +180,19 @@ class ParamCopies:
 
     def accumulate(self, i: int, g: torch.Tensor, owned: bool) -> None:
         """Adds gradient ``g`` (fp32 or the model dtype, on the host) into parameter ``i``'s
-        accumulated gradient (optimizer dtype): the first one since the last step is taken
-        without a copy when ``owned`` and already of that dtype, later ones are added in one
-        pass."""
+        accumulated gradient (optimizer dtype, a buffer of :attr:`pool`): the first one since
+        the last step is taken without a copy when ``owned`` and already of that dtype, later
+        ones are added in one pass (an owned ``g`` then goes back to the pool)."""
         dtype = self.optim[i].dtype
         if self.grads[i] is None:
             if owned and g.dtype == dtype:
                 self.grads[i] = g
             else:
-                self.grads[i] = g.to(dtype, copy=True)
+                self.grads[i] = self.pool.take(g.shape, dtype).copy_(g)
         else:
             self.grads[i].add_(g)
+            if owned:
+                self.pool.give(g)
 
     def take_grads(self) -> list[Optional[torch.Tensor]]:
         """The accumulated gradients (the copies start over without any)."""
@@ -195,7 +200,11 @@ class ParamCopies:
         return grads
 
     def clear_grads(self) -> None:
-        self.grads = [None] * len(self.model)
+        """Discards the accumulated gradients (their buffers go back to the pool)."""
+        grads = self.take_grads()
+        for g in grads:
+            if g is not None:
+                self.pool.give(g)
 
     # --- checkpoints -----------------------------------------------------------------------------------
 

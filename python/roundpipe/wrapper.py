@@ -205,7 +205,7 @@ class RoundPipe(nn.Module):
             self._ios = [CudaIO(d, self._stats, self.prefetch, self._grad_numels, writes)
                          for d in self.devices]
         else:
-            self._ios = [CpuIO(d, self._stats) for d in self.devices]
+            self._ios = [CpuIO(d, self._stats, self._copies.pool) for d in self.devices]
         self._call_lock = threading.Lock()
         self._call_owner: Optional[threading.Thread] = None
         self._call_name = ""

@@ -199,6 +199,7 @@ class _DeviceRun:
     def _backward(self, k: int, s: int, visit: StageVisit) -> None:
         p, abort = self.pass_, self.abort
         last = s == len(p.layout.stages) - 1
+        visit.begin_backward()
         for m in range(len(p.spec.microbatches)):
             tree, event = p.acts[s][m].get(abort)
             grad_output = None if last else p.grads[s + 1][m].get(abort)

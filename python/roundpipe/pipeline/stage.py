@@ -115,6 +115,11 @@ class StageVisit:
         self.spec, self.stage, self.layers, self.weights, self.io = spec, stage, layers, weights, io
         self.input_grad, self.locks, self.is_last = input_grad, locks, is_last
 
+    def begin_backward(self) -> None:
+        """Before the first microbatch of a backward visit: gradients are summed on the
+        device over the call's microbatches."""
+        self.io.sum_grads_over(self.weights, len(self.spec.microbatches))
+
     def _run(self, x: Any, m: int, recomputing: bool) -> Any:
         with self.spec.autocast.enter(self.stage.device.type):
             return run_layers(self.layers, self.stage.start, self.weights.layers, x, m,
@@ -193,7 +198,6 @@ class StageVisit:
                     grads = io.to_device([g for _, g in pairs], g_event, "input_grad")
                     torch.autograd.backward([t for t, _ in pairs], grads)
                 pairs = grads = None  # noqa: F841
-        io.accumulate_grads(self.weights, len(spec.microbatches))
         if self.input_grad:
             grads = [None] * spec_tree.num_leaves
             for k, t in grad_leaves:

@@ -11,15 +11,17 @@ optimizer side for :meth:`DeviceIO.host_wait` and the release of gradient downlo
 
 Gradient data path: parameter gradients stay on the device for the whole stage visit — for
 one microbatch the model-dtype gradient itself, for several an fp32 sum added in microbatch
-order (fp32 parameters: autograd's own in-place accumulation, which adds in the same order)
-— and are downloaded once, after the visit's last microbatch
-(``P_stage * min(M * itemsize, 4)`` bytes). At most :data:`GRAD_DOWNLOADS_IN_FLIGHT` stage
-downloads per device wait for the optimizer side to consume them; the next one waits.
+order (fp32 parameters: autograd's own in-place accumulation, which adds in the same order;
+other dtypes: added by a hook as soon as autograd has produced each gradient, which is then
+freed) — and are downloaded once, after the visit's last microbatch
+(``P_stage * min(M * itemsize, 4)`` bytes). At most :attr:`DeviceIO.grad_downloads_in_flight`
+stage downloads per device wait for the optimizer side to consume them; the next one waits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -28,8 +30,6 @@ from torch.utils._pytree import tree_map
 
 from ..pipeline.threads import Permits
 from ..stats import Stats
-
-GRAD_DOWNLOADS_IN_FLIGHT = 2
 
 
 class TensorRef(NamedTuple):
@@ -96,11 +96,12 @@ class DeviceIO:
     """
 
     prefetch = False
+    grad_downloads_in_flight = 1
 
     def __init__(self, device: torch.device, stats: Stats) -> None:
         self.device = device
         self.stats = stats
-        self._grad_permits = Permits(GRAD_DOWNLOADS_IN_FLIGHT)
+        self._grad_permits = Permits(self.grad_downloads_in_flight)
 
     # --- primitives of a device type ----------------------------------------------------------
 
@@ -113,6 +114,10 @@ class DeviceIO:
 
     def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def _upload_parameter(self, t: torch.Tensor) -> torch.Tensor:
+        """A parameter's tensor on the device (default: a copy, as every other upload)."""
+        return self._copy_to_device(t)
 
     def _begin_upload(self) -> None:
         """Before a stage's weights are copied (CUDA: switch to the weights stream)."""
@@ -164,7 +169,8 @@ class DeviceIO:
             for ref in refs:
                 t = copies.get(id(ref.host))
                 if t is None:
-                    t = copies[id(ref.host)] = self._copy_to_device(ref.host)
+                    t = copies[id(ref.host)] = (self._copy_to_device(ref.host) if ref.is_buffer
+                                                else self._upload_parameter(ref.host))
                     size = nbytes(t)
                     weights.nbytes += size
                     if ref.is_buffer:
@@ -209,27 +215,33 @@ class DeviceIO:
         out = tree_map(move, tree)
         return out, self._end_download()
 
-    def accumulate_grads(self, weights: StageWeights, microbatches: int) -> None:
-        """After one microbatch's backward: adds its parameter gradients into the stage's sums
-        on the device, in microbatch order. fp32 parameters keep autograd's own accumulation
-        in ``.grad`` (the same additions in the same order); with one microbatch every
-        gradient stays as it is, in the model dtype."""
+    def sum_grads_over(self, weights: StageWeights, microbatches: int) -> None:
+        """Before a backward visit over ``microbatches``: with several, the gradient of each
+        trainable non-fp32 parameter is added into an fp32 sum on the device (in microbatch
+        order) as soon as autograd produces it, and freed. fp32 parameters keep autograd's
+        own accumulation in ``.grad`` (the same additions in the same order); with one
+        microbatch every gradient stays as it is, in the model dtype."""
         if microbatches == 1:
             return
         for i, t in weights.trainable:
-            g = t.grad
-            if g is None or g.dtype == torch.float32:
-                continue
-            t.grad = None
-            total = weights.grad_sums.get(i)
-            if total is None:
-                weights.grad_sums[i] = g.float()
-            else:
-                total.add_(g)
+            if t.dtype != torch.float32:
+                t.register_post_accumulate_grad_hook(functools.partial(self._add_to_sum, weights, i))
+
+    def _add_to_sum(self, weights: StageWeights, i: int, t: torch.Tensor) -> None:
+        g, t.grad = t.grad, None
+        total = weights.grad_sums.get(i)
+        if total is None:
+            weights.grad_sums[i] = self._new_sum(g)
+        else:
+            total.add_(g)
+
+    def _new_sum(self, g: torch.Tensor) -> torch.Tensor:
+        """An fp32 sum on the device starting at ``g``."""
+        return g.float()
 
     def download_grads(self, weights: StageWeights, abort) -> Optional[GradDownload]:
         """Downloads the stage's gradient sums once (waiting while
-        :data:`GRAD_DOWNLOADS_IN_FLIGHT` earlier downloads of this device are not consumed);
+        :attr:`grad_downloads_in_flight` earlier downloads of this device are not consumed);
         ``None`` when no parameter got a gradient."""
         sources = []
         for i, t in weights.trainable:

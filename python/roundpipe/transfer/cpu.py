@@ -1,29 +1,43 @@
 """The CPU as compute device: every copy is synchronous and events are ``None``.
 
-Uploads are real copies (a layer computes on its own copy of the weights and inputs, as on a
-GPU, and may modify them in place); downloads hand the computed tensor over without a copy
-(it is already in host memory and nothing else refers to it). Both are counted as if they
-crossed PCIe, so ``pipeline_stats()`` shows on the CPU what a GPU would move.
+Parameters are used where they are (a new tensor object sharing the host model copy's memory,
+so it can require grad on its own): no second copy of a stage's weights exists on the host.
+That is safe because nothing writes a layer's model copy while a pass may read it (the
+optimizer side's layer gates). Buffers and stage inputs are copied (a layer may update them
+in place, and a recomputation must not update them twice). Downloads hand the computed tensor
+over without a copy (it is already in host memory and nothing else refers to it). Every
+transfer is counted as if it crossed PCIe, so ``pipeline_stats()`` shows on the CPU what a
+GPU would move.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 
+from ..host_buffers import HostBuffers
 from .base import DeviceIO, GradDownload
 
 
 class CpuIO(DeviceIO):
     """:class:`roundpipe.transfer.base.DeviceIO` for the CPU (see the module docstring)."""
 
-    def __init__(self, device: torch.device, stats) -> None:
+    def __init__(self, device: torch.device, stats, pool: Optional[HostBuffers] = None) -> None:
         super().__init__(device, stats)
+        self._pool = pool or HostBuffers()
         self._upload_start = 0.0
+
+    def _new_sum(self, g: torch.Tensor) -> torch.Tensor:
+        # in host memory: a reused buffer, handed over to the optimizer side as it is
+        return self._pool.take(g.shape, torch.float32).copy_(g)
 
     def _copy_to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone()
+
+    def _upload_parameter(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
 
     def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t

@@ -229,6 +229,8 @@ class HostWrites:
 
 class CudaIO(DeviceIO):
     """:class:`roundpipe.transfer.base.DeviceIO` for one CUDA device (see the module docstring).
+    Two gradient downloads may wait to be consumed (the two slots of the staging ring), so
+    one lands while the optimizer side reads the other.
 
     Args:
         device: the CUDA device.
@@ -238,6 +240,8 @@ class CudaIO(DeviceIO):
             staging ring's two slots for the largest stage's fp32 gradients).
         host_writes: the RoundPipe's :class:`HostWrites`.
     """
+
+    grad_downloads_in_flight = 2
 
     def __init__(self, device: torch.device, stats, prefetch: bool = True,
                  grad_numels: Sequence[Sequence[int]] = (),
