@@ -318,3 +318,30 @@ def test_faked_cuda_moves_the_same_bytes_and_pins_exact_sizes(fake_cuda):
     arena = net._roundpipe_pinned_arenas[0].buffer
     start, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
     assert all(start <= t.data_ptr() < end for t in tensors)
+
+
+def test_the_callers_autocast_reaches_the_layers_on_every_worker():
+    seen = []
+
+    class Check(nn.Module):
+        def forward(self, x):
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            return x
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), Check(), nn.Linear(8, 8), Check(), nn.Linear(8, 4))
+    ref = copy.deepcopy(net)
+    model = RoundPipe(net, device=["cpu", "cpu"], num_microbatch=2)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        loss = model.forward_backward(input_args=(x,), label=y,
+                                      loss_fn=lambda o, t: ((o.float() - t) ** 2).sum())
+        ref_loss = sum(((ref(xm).float() - ym) ** 2).sum()
+                       for xm, ym in zip(torch.tensor_split(x, 2), torch.tensor_split(y, 2)))
+    assert out.dtype == torch.bfloat16
+    assert seen and all(s == (True, torch.bfloat16) for s in seen)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    seen.clear()
+    model(x)                                   # outside autocast: off on the workers too
+    assert seen and all(not enabled for enabled, _ in seen)

@@ -80,6 +80,10 @@ def run_mode(mode: str, args, devices: list[str], dtype: torch.dtype) -> dict:
     iteration(batches[0])  # warm-up: threads, allocator, optimizer state
     model.synchronize()
     model.pipeline_stats(reset=True)
+    cuda = devices[0].startswith("cuda")
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(devices[0])
     start = time.perf_counter()
     losses = [iteration(b) for b in batches[1:]]
     model.synchronize()
@@ -95,6 +99,8 @@ def run_mode(mode: str, args, devices: list[str], dtype: torch.dtype) -> dict:
         "wait_optimizer_pct": 100 * (stats["optimizer_wait_s"] + idle_between) / device_total,
         "final_loss": float(losses[-1]),
     }
+    if cuda:
+        row["reserved_gib"] = torch.cuda.max_memory_reserved(devices[0]) / 2**30
     row["bytes"] = {k: v for k, v in stats.items() if k.endswith("_bytes")}
     row["weights_vs_floor"] = _ratio(stats["h2d_weight_bytes"], stats["weight_floor_bytes"])
     row["grads_vs_floor"] = _ratio(stats["d2h_param_grad_bytes"], stats["param_grad_floor_bytes"])
@@ -112,6 +118,9 @@ def run_torch(args, device: str, dtype: torch.dtype) -> dict:
     """Plain PyTorch: the same model, batches and loss on ``device`` alone, ``torch.optim.AdamW``
     (fused on CUDA) over the model's own parameters in ``dtype``."""
     row = {"mode": "torch", "wait_weights_pct": None, "wait_optimizer_pct": None}
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     try:
         net = build_model(args.layers, args.hidden, args.heads, args.vocab, dtype).to(device)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4,
@@ -143,6 +152,8 @@ def run_torch(args, device: str, dtype: torch.dtype) -> dict:
         elapsed = time.perf_counter() - start
         row.update(tokens_per_s=tokens * args.iters / elapsed, seconds=elapsed,
                    final_loss=float(losses[-1]))
+        if device.startswith("cuda"):
+            row["reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     except torch.cuda.OutOfMemoryError:
         row.update(tokens_per_s=None, note="does not fit on the device")
         torch.cuda.empty_cache()
@@ -216,7 +227,7 @@ def main(argv=None) -> None:
     header = (f"{'mode':<7}{'tokens/s':>12}{'wait weights':>14}{'wait optimizer':>16}"
               f"{'weights/floor':>15}{'grads/floor':>13}")
     if cuda:
-        header += f"{'upload GB/s':>13}{'% of peak':>11}"
+        header += f"{'upload GB/s':>13}{'% of peak':>11}{'reserved GiB':>14}"
     print(header)
     def pct(x, width: int) -> str:
         return f"{'-':>{width + 1}}" if x is None else f"{x:>{width}.1f}%"
@@ -231,8 +242,12 @@ def main(argv=None) -> None:
                 f"{ratio(r.get('grads_vs_floor'), 13)}")
         if "note" in r:
             line += f"  ({r['note']})"
-        if cuda and "upload_gb_s" in r:
-            line += f"{r['upload_gb_s']:>13.2f}{100 * r['upload_gb_s'] / peak:>10.1f}%"
+        if cuda:
+            if "upload_gb_s" in r:
+                line += f"{r['upload_gb_s']:>13.2f}{100 * r['upload_gb_s'] / peak:>10.1f}%"
+            else:
+                line += f"{'-':>13}{'-':>11}"
+            line += f"{r['reserved_gib']:>14.2f}" if "reserved_gib" in r else f"{'-':>14}"
         print(line)
     off = next((r for r in rows if r["mode"] == "off"), None)
     if off:

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU check, in one call on a machine with an NVIDIA GPU and no network (its python3
+# already holds torch with CUDA, transformers, peft, nanobind, scikit-build-core, cmake, ninja,
+# pytest): builds RoundPipe with those packages, runs tests/test_gpu.py, then the pipeline
+# benchmark on a ~1.4B-parameter bf16 model against plain PyTorch on the same GPU (tokens/s,
+# waits, upload GB/s against a pinned copy's peak, reserved memory, bytes moved over their
+# floor), and prints one table. Budget: under 8 minutes on one H200.
+#   bash scripts/gpu_check.sh              # PYTHON=... to use another interpreter
+# Results also go to $OUT (or /tmp/gpu_check): test_gpu.txt, pipeline.json, table.txt.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+out=${OUT:-/tmp/gpu_check}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+echo "== environment"
+$PY -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '|',
+torch.cuda.get_device_name(0), '|', torch.cuda.device_count(), 'GPU(s)')"
+nproc
+
+echo "== build (no network: the packages already installed)"
+start=$SECONDS
+$PY -m pip install -q --no-build-isolation --no-deps --no-index . >"$out/build.txt" 2>&1 ||
+  { tail -30 "$out/build.txt"; exit 1; }
+echo "built in $((SECONDS - start)) s"
+
+echo "== tests/test_gpu.py"
+start=$SECONDS
+set +e
+(cd /tmp && $PY -m pytest -q -p no:cacheprovider "$OLDPWD/tests/test_gpu.py" -x --timeout 240 -rs) \
+  2>&1 | tee "$out/test_gpu.txt"
+tests_rc=${PIPESTATUS[0]}
+set -e
+echo "tests: exit $tests_rc in $((SECONDS - start)) s"
+
+echo "== pipeline benchmark: bf16, 16 layers x 2560 (about 1.4B parameters), seq 1024, batch 8"
+start=$SECONDS
+(cd /tmp && $PY -m roundpipe.bench pipeline --devices cuda:0 --dtype bfloat16 --layers 16 \
+  --hidden 2560 --heads 20 --vocab 32000 --seq 1024 --batch 8 --iters 3 \
+  --json "$out/pipeline.json") | tee "$out/table.txt"
+echo "benchmark in $((SECONDS - start)) s"
+exit "$tests_rc"
