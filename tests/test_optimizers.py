@@ -295,3 +295,28 @@ def test_float64_step_in_a_checkpoint_is_accepted(case):
     _train(fresh, params, 1, seed=2)
     assert all(v.dtype == torch.float32 for st in fresh.state.values() for v in st.values()
                if torch.is_tensor(v) and v.dim() == 0)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "weight_decay" in
+                                  inspect.signature(c.ref.__init__).parameters], ids=str)
+def test_weight_decay_that_rounds_to_zero_in_float32_applies_as_in_torch(case):
+    # torch decides `weight_decay != 0` on the Python float and rounds the coefficient to float32
+    # only inside the op: 1e-50 adds 0 * p to the gradient, NaN where p is inf, and so must we
+    # (every algorithm through one shared opening, kernels/gradient.hpp).
+    kwargs = dict(case.base, weight_decay=1e-50)
+    results = []
+    for cls in (case.ours, case.ref):
+        (p,) = make_params([(19,)])
+        with torch.no_grad():
+            p[3], p[11] = float("inf"), -float("inf")
+        opt = cls([p], **kwargs) if cls is case.ours else cls([p], foreach=False, **kwargs)
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            p.grad = torch.randn(19, generator=gen)
+            opt.step()
+        results.append((p.detach().clone(), opt.state[p]))
+    (po, so), (pr, sr) = results
+    assert torch.equal(po.isnan(), pr.isnan())
+    torch.testing.assert_close(po, pr, rtol=1e-5, atol=1e-6, equal_nan=True)
+    for k, v in sr.items():
+        torch.testing.assert_close(so[k], v, rtol=1e-5, atol=1e-6, equal_nan=True, msg=k)

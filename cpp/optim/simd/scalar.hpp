@@ -7,7 +7,7 @@
 // whether it falls in a vector body or in the tail.
 #pragma once
 #ifndef ROUNDPIPE_ISA_NS
-#error "define ROUNDPIPE_ISA_NS before including a roundpipe/simd header"
+#error "define ROUNDPIPE_ISA_NS before including a simd/ header"
 #endif
 
 #include <cstddef>
