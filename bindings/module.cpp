@@ -13,10 +13,14 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>
+#endif
 
-#include <optional>
+#include <unistd.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -159,6 +163,37 @@ PyObject* present(const List& l, const char* fn, std::size_t i) {
   return t;
 }
 
+// Takes the GIL back after without_gil's call. When the interpreter is finalizing (a step ran in a
+// daemon thread while the main thread exited), CPython before 3.14 ends this thread with
+// pthread_exit, whose forced unwinding aborts the process ("terminate called without an active
+// exception") at the first noexcept frame (nanobind's gil_scoped_release destructor) or catch
+// (...) that does not rethrow (nanobind's dispatcher). The thread is parked instead, as CPython
+// 3.14 does itself: the step is done, it holds no lock, and the process exits normally.
+void take_gil(PyThreadState* state) {
+#if defined(__GLIBCXX__)
+  try {
+    PyEval_RestoreThread(state);
+  } catch (abi::__forced_unwind&) {
+    for (;;) pause();
+  }
+#else
+  PyEval_RestoreThread(state);
+#endif
+}
+
+// Runs fn() with the GIL released (the step's threads never need it).
+template <class Fn>
+void without_gil(Fn&& fn) {
+  PyThreadState* state = PyEval_SaveThread();
+  try {
+    fn();
+  } catch (...) {
+    take_gil(state);
+    throw;
+  }
+  take_gil(state);
+}
+
 template <class Options>
 using StepFn = void (*)(const Options&, const roundpipe::ParamBuffers*, std::size_t,
                         roundpipe::StepIO*);
@@ -245,8 +280,7 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
           }
           tensors.push_back(t);
         }
-        nb::gil_scoped_release release;
-        fn(options, tensors.data(), tensors.size(), io);
+        without_gil([&] { fn(options, tensors.data(), tensors.size(), io); });
       },
       nb::arg("options"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
       nb::arg("scalars"), nb::arg("model_copies") = nb::none(), nb::arg("io").none() = nb::none(),
