@@ -5,6 +5,7 @@ The classes and sweeps come from optimizer_cases.CASES."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import math
@@ -284,21 +285,66 @@ def test_bad_tensors_raise_before_any_change(case, bad):
         assert torch.equal(opt.state[good][k], v), k
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_float64_step_in_a_checkpoint_is_accepted(case):
+def test_step_of_another_dtype_in_a_checkpoint_is_accepted_as_in_torch(case, dtype):
+    # torch keeps a loaded `step` in the dtype it was saved in (int64 from integer counters,
+    # float64) and steps on from it; we convert it to float32 and compute the same.
     params = make_params([(5,)])
     opt = case.ours(params, **case.base)
     _train(opt, params, 2, seed=1)
     sd = opt.state_dict()
     for st in sd["state"].values():
         for k in case.ours._scalar_keys:
-            if k in st and torch.is_tensor(st[k]):
-                st[k] = st[k].double()
-    fresh = case.ours(params, **case.base)
-    fresh.load_state_dict(sd)
-    _train(fresh, params, 1, seed=2)
-    assert all(v.dtype == torch.float32 for st in fresh.state.values() for v in st.values()
+            if k in st and (k == "step" or dtype.is_floating_point):
+                st[k] = st[k].to(dtype)
+    resumed = []
+    for cls in (case.ours, case.ref):
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        o = cls(ps, **case.base)
+        o.load_state_dict(copy.deepcopy(sd))
+        _train(o, ps, 3, seed=2)
+        resumed.append((ps, o))
+    (po, oo), (pr, _) = resumed
+    for a, b in zip(po, pr):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(v.dtype == torch.float32 for st in oo.state.values() for v in st.values()
                if torch.is_tensor(v) and v.dim() == 0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_state_missing_a_key_behaves_as_in_torch(case):
+    # torch creates a parameter's state only when it has none; state lacking a key the group
+    # needs (a damaged checkpoint) is a KeyError naming it (SGD's missing momentum_buffer is
+    # created anew). Ours must do the same, with nothing modified when it raises.
+    (probe,) = make_params([(6,)])
+    probe_opt = case.ours([probe], **case.base)
+    probe.grad = torch.ones(6)
+    probe_opt.step()
+    for key in list(probe_opt.state[probe]):
+        outcomes = []
+        for cls in (case.ours, case.ref):
+            (p,) = make_params([(6,)])
+            opt = cls([p], **case.base)
+            _train(opt, [p], 2, seed=3)
+            del opt.state[p][key]
+            before = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+            p.grad = torch.ones(6)
+            try:
+                opt.step()
+                outcomes.append(("stepped", p.detach().clone()))
+            except KeyError as e:
+                outcomes.append(("KeyError", e.args))
+                if cls is case.ours:
+                    assert torch.equal(p.detach(), before[0]), key
+                    assert opt.state[p].keys() == before[1].keys(), key
+                    assert all(torch.equal(opt.state[p][k], v) for k, v in before[1].items())
+        (kind_o, value_o), (kind_r, value_r) = outcomes
+        assert kind_o == kind_r, f"{key}: ours {kind_o}, torch {kind_r}"
+        if kind_o == "KeyError":
+            assert value_o == value_r
+        else:
+            torch.testing.assert_close(value_o, value_r, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "weight_decay" in
