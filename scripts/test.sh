@@ -5,7 +5,7 @@
 # Exits non-zero if any test fails or if a runner ran no test.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh qemu-user g++-aarch64-linux-gnu
+bash scripts/setup.sh --tests qemu-user g++-aarch64-linux-gnu
 
 echo "== ctest (native)"
 .venv/bin/ctest --test-dir build/py --output-on-failure --no-tests=error

@@ -102,3 +102,66 @@ def assert_same_training(ours_cls, torch_cls, kwargs, *, steps=20, grad_scale=1.
                 else:
                     assert va == vb, f"state {k!r} of param {i}"
     return ours, ref
+
+
+# --- CUDA faked on the CPU: the CUDA transfer code runs, every copy happens on the host -------
+
+class FakeEvent:
+    """torch.cuda.Event stand-in: checks that nothing waits for an event never recorded."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.recorded = False
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    def synchronize(self):
+        assert self.recorded, "waited for an event that was never recorded"
+
+    def query(self):
+        return self.recorded
+
+    def elapsed_time(self, other):
+        assert self.recorded and other.recorded
+        return 1.0  # ms
+
+
+class FakeStream:
+    def __init__(self, device=None):
+        self.waited: list = []
+
+    def wait_event(self, event):
+        assert event.recorded, "a stream waits for an event never recorded"
+        self.waited.append(event)
+
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Replaces CUDA streams, events, pinned allocation and registration by CPU stand-ins;
+    returns the ``roundpipe.transfer.cuda`` module (build ``CudaIO`` objects on CPU devices)."""
+    import contextlib
+
+    import roundpipe.transfer.cuda as ct
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(ct, "_pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr(ct, "_register", lambda ptr, size: 0)
+    monkeypatch.setattr(ct, "_unregister", lambda pointers: None)
+    return ct
+
+
+def use_fake_cuda_io(model, ct, prefetch=True):
+    """Gives a RoundPipe on CPU devices the CUDA transfer code (with ``fake_cuda`` active)."""
+    writes = ct.HostWrites()
+    model._ios = [ct.CudaIO(d, model._stats, prefetch, model._grad_numels, writes)
+                  for d in model.devices]
+    return model

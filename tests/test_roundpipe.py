@@ -101,7 +101,7 @@ def test_fp32_training_matches_plain_pytorch(model_name, num_microbatch, opt_nam
         loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
         model.step(lambda: (opt.step(), opt.zero_grad()))
         torch.manual_seed(step)
-        ref_loss = reference_forward_backward(ref, x, y, num_microbatch, roundpipe.execute.draw_call_seed())
+        ref_loss = reference_forward_backward(ref, x, y, num_microbatch, roundpipe.pipeline.execute.draw_call_seed())
         ref_opt.step()
         ref_opt.zero_grad()
         assert torch.isfinite(loss) and loss.item() == pytest.approx(ref_loss, rel=1e-5)
@@ -126,7 +126,7 @@ def test_gradient_accumulation_over_calls():
             torch.manual_seed(call)
             model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
             torch.manual_seed(call)
-            reference_forward_backward(ref, x, y, 2, roundpipe.execute.draw_call_seed())
+            reference_forward_backward(ref, x, y, 2, roundpipe.pipeline.execute.draw_call_seed())
         model.step(opt.step)
         ref_opt.step()
         ref_opt.zero_grad()
@@ -160,7 +160,7 @@ def test_bf16_model_with_fp32_master_weights_matches_mixed_precision_loop():
 
         torch.manual_seed(step)
         reference_forward_backward(ref_model, x.bfloat16(), y, 2,
-                                   roundpipe.execute.draw_call_seed(), add_to_master)
+                                   roundpipe.pipeline.execute.draw_call_seed(), add_to_master)
         ref_opt.step()
         ref_opt.zero_grad()
         with torch.no_grad():
@@ -172,20 +172,20 @@ def test_bf16_model_with_fp32_master_weights_matches_mixed_precision_loop():
 
 
 def test_only_one_stage_on_the_device_at_a_time(monkeypatch):
-    alive: list[tuple[int, list]] = []  # (layer id, weakrefs to its device tensors)
+    alive: list[list] = []  # per upload, weakrefs to its device tensors
     peak = 0
-    real = roundpipe.transfer.upload_layer
+    real = roundpipe.transfer.CpuIO.upload
 
-    def tracking_upload(layer, device, with_grad):
+    def tracking_upload(self, layers, with_grad):
         nonlocal peak
         gc.collect()
-        resident = {lid for lid, refs in alive if any(r() is not None for r in refs)}
-        peak = max(peak, len(resident))
-        w = real(layer, device, with_grad)
-        alive.append((id(layer), [weakref.ref(t) for t in w.tensors.values()]))
-        return w
+        resident = sum(1 for refs in alive if any(r() is not None for r in refs))
+        peak = max(peak, resident)
+        w, event = real(self, layers, with_grad)
+        alive.append([weakref.ref(t) for d in w.layers for t in d.values()])
+        return w, event
 
-    monkeypatch.setattr(roundpipe.transfer, "upload_layer", tracking_upload)
+    monkeypatch.setattr(roundpipe.transfer.CpuIO, "upload", tracking_upload)
     model = RoundPipe(mlp(), num_microbatch=3)
     x, y = data("mlp", 0)
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
@@ -193,7 +193,7 @@ def test_only_one_stage_on_the_device_at_a_time(monkeypatch):
     assert len(alive) == 4 + 5 + 5  # forward pass (4 stages) + backward (5) + inference (5)
     assert peak == 0, "a previous stage's weights were still alive when the next was uploaded"
     gc.collect()
-    assert all(r() is None for _, refs in alive for r in refs)
+    assert all(r() is None for refs in alive for r in refs)
 
 
 def test_inference_forward_and_eval_mode():
@@ -288,7 +288,7 @@ def test_errors_reach_the_caller_and_the_wrapper_stays_usable():
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
     model.step(opt.step)
     torch.manual_seed(5)
-    reference_forward_backward(ref, x, y, 2, roundpipe.execute.draw_call_seed())
+    reference_forward_backward(ref, x, y, 2, roundpipe.pipeline.execute.draw_call_seed())
     ref_opt.step()
     assert_params_equal(model, ref)
 
@@ -373,7 +373,8 @@ def test_recompute_helpers_keep_layer_decisions():
     model = RoundPipe(net, num_microbatch=2)
     x, y = data("mlp", 0)
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-    grads = {n: g for n, g in zip(model._names, model._grads)}
+    model._opt.wait()
+    grads = {n: g for n, g in zip(model._copies.names, model._copies.grads)}
     # microbatch 0 took path a (calls=1), microbatch 1 path b (calls=2): both got gradients
     assert grads["0.a.weight"] is not None and grads["0.b.weight"] is not None
     with pytest.raises(RuntimeError, match="outside"):

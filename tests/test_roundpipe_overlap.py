@@ -115,7 +115,7 @@ def test_several_devices_match_the_plain_pytorch_loop():
         loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
         model.step(opt)
         torch.manual_seed(step)
-        ref_loss = reference_forward_backward(ref, x, y, 3, roundpipe.execute.draw_call_seed())
+        ref_loss = reference_forward_backward(ref, x, y, 3, roundpipe.pipeline.execute.draw_call_seed())
         ref_opt.step()
         ref_opt.zero_grad()
         assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
@@ -195,7 +195,7 @@ def test_exact_mode_matches_the_reference_loop_and_optimizer_state_is_shared():
         torch.manual_seed(step)
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, optimizer=opt)
         torch.manual_seed(step)
-        reference_forward_backward(ref, x, y, 3, roundpipe.execute.draw_call_seed())
+        reference_forward_backward(ref, x, y, 3, roundpipe.pipeline.execute.draw_call_seed())
         ref_opt.step()
         ref_opt.zero_grad()
     model.synchronize()
@@ -221,7 +221,7 @@ def _stale_reference(steps, opt_fn, sched_fn=None):
         x, y = data("mlp", step)
         torch.manual_seed(step)
         losses.append(reference_forward_backward(compute, x, y, 2,
-                                                 roundpipe.execute.draw_call_seed()))
+                                                 roundpipe.pipeline.execute.draw_call_seed()))
         weights_used = copy.deepcopy(master.state_dict())
         for p, c in zip(master.parameters(), compute.parameters()):
             p.grad, c.grad = c.grad, None
@@ -348,7 +348,7 @@ def test_error_in_a_background_step_surfaces_at_the_next_call_and_training_goes_
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, optimizer=bad)
         model.synchronize()
     model.synchronize()
-    assert all(g is None for g in model._grads)
+    assert all(g is None for g in model._copies.grads)
 
 
 @pytest.mark.parametrize("where", ["layer", "loss", "interrupt"])
@@ -375,7 +375,7 @@ def test_error_on_a_worker_reaches_the_caller_without_deadlock(where):
                                loss_fn=bad_loss if where == "loss" else loss_fn)
     if handle:
         handle.remove()
-    assert all(g is None for g in model._grads)   # the partial gradient was discarded
+    assert all(g is None for g in model._copies.grads)   # the partial gradient was discarded
     for m in (model, twin):
         torch.manual_seed(1)
         m.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
@@ -405,71 +405,38 @@ def test_the_process_exits_when_the_caller_stops_midway():
 
 
 def test_pipeline_stats_are_reported():
+    from roundpipe.stats import KEYS
     model = RoundPipe(mlp(), device=["cpu", "cpu"])
     x, y = data("mlp", 0)
     opt = rpo.Adam(model.optim_parameters(), lr=0.1)
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, optimizer=opt)
     model.synchronize()
     stats = model.pipeline_stats(reset=True)
-    assert set(stats) == {"wall_s", "device_s", "weights_wait_s", "optimizer_wait_s",
-                          "optimizer_s", "upload_s", "upload_bytes"}
+    assert set(stats) == set(KEYS)
     stage_bytes = sum(p.numel() * 4 for p in model.module.parameters())
-    assert stats["upload_bytes"] == 2 * stage_bytes - 4 * (4 * 32 + 4)  # last stage: backward only
+    last = 4 * (4 * 32 + 4)  # the last stage runs once, in the backward pass
+    assert stats["h2d_weight_bytes"] == stats["weight_floor_bytes"] == 2 * stage_bytes - last
     assert stats["wall_s"] > 0 and stats["device_s"] >= stats["wall_s"]
     assert all(v >= 0 for v in stats.values())
     assert model.pipeline_stats()["wall_s"] == 0
 
 
 def test_cuda_transfer_imports_without_touching_cuda():
-    r = subprocess.run([sys.executable, "-c", "import torch, roundpipe.cuda_transfer as c; "
+    r = subprocess.run([sys.executable, "-c", "import torch, roundpipe.transfer.cuda as c; "
                         "from torch import nn; "
-                        "assert c.pin_host_model(nn.Linear(2, 2), 'off') == 'off'; "
+                        "assert c.pin_host_model(nn.Linear(2, 2), 'off', torch.device('cpu')) "
+                        "== ('off', 0); "
                         "print(torch.cuda.is_initialized())"], capture_output=True, text=True)
     assert r.stdout.strip() == "False", r.stderr
 
 
-# --- the CUDA transfer logic, with CUDA faked on the CPU --------------------------------------------
+# --- the CUDA transfer logic, with CUDA faked on the CPU (conftest.fake_cuda) ------------------------
 
-class _FakeEvent:
-    def __init__(self, enable_timing=False):
-        self.recorded = False
-
-    def record(self, stream=None):
-        self.recorded = True
-
-    def synchronize(self):
-        assert self.recorded, "waited for an event that was never recorded"
-
-    def query(self):
-        return self.recorded
-
-    def elapsed_time(self, other):
-        assert self.recorded and other.recorded
-        return 1.0  # ms
-
-
-class _FakeStream:
-    def __init__(self, device=None):
-        self.waited: list = []
-
-    def wait_event(self, event):
-        assert event.recorded, "a stream waits for an event never recorded"
-        self.waited.append(event)
-
-
-def test_cuda_transfer_logic_with_faked_cuda(monkeypatch):
-    """Runs the CudaIO code (streams, events, prefetch, pinned gradient buffers reused by
-    parity, timing) with CUDA replaced by CPU stand-ins: the training must be bit-identical
-    to the CPU path, and every event waited for must have been recorded."""
-    import contextlib
-    import roundpipe.cuda_transfer as ct
-
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
-    monkeypatch.setattr(ct, "_pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+def test_cuda_transfer_logic_with_faked_cuda(fake_cuda, monkeypatch):
+    """Runs the CudaIO code (streams, events, prefetch, the pinned staging ring, timing) with
+    CUDA replaced by CPU stand-ins: the training must be bit-identical to the CPU path, and
+    every event waited for must have been recorded."""
+    from conftest import use_fake_cuda_io
     kw = dict(opt_fn=OPTS["adam"], dtype=torch.bfloat16, steps=3)
     for mode in ("plain", "exact"):
         ref_losses, ref = _train("transformer", ["cpu", "cpu"], mode=mode, **kw)
@@ -477,7 +444,7 @@ def test_cuda_transfer_logic_with_faked_cuda(monkeypatch):
 
         def fake_init(self):
             real_init(self)
-            self._io = [ct.CudaIO(d, prefetch=True) for d in self.devices]
+            use_fake_cuda_io(self, fake_cuda)
 
         monkeypatch.setattr(RoundPipe, "_runtime_init", fake_init)
         losses, faked = _train("transformer", ["cpu", "cpu"], mode=mode, **kw)
@@ -485,28 +452,23 @@ def test_cuda_transfer_logic_with_faked_cuda(monkeypatch):
         assert losses == ref_losses
         _assert_identical(ref, faked)
         stats = faked.pipeline_stats()
-        assert stats["upload_bytes"] > 0 and stats["upload_s"] > 0 and stats["weights_wait_s"] > 0
-        assert all(len(io._grad_buffers) > 0 for io in faked._io)
+        assert stats["upload_s"] > 0 and stats["weights_wait_s"] > 0
+        assert stats["h2d_weight_bytes"] == stats["weight_floor_bytes"] > 0
+        assert stats["d2h_param_grad_bytes"] == stats["param_grad_floor_bytes"] > 0
+        assert all(io._ring is not None for io in faked._ios)  # gradients went through it
+        assert stats["pinned_bytes"] == sum(io._ring.size for io in faked._ios)
 
 
 @pytest.mark.parametrize("cap", [None, 0])
-def test_prefetch_keeps_at_most_two_stages_per_device_with_faked_cuda(monkeypatch, cap):
+def test_prefetch_keeps_at_most_two_stages_per_device_with_faked_cuda(fake_cuda, monkeypatch, cap):
     """With prefetch, at most one stage's weights are alive on a device when the next one is
     uploaded (two resident); with max_resident_bytes=0 nothing is prefetched (one resident)."""
-    import contextlib
-    import gc
     import weakref
-    import roundpipe.cuda_transfer as ct
+    from conftest import use_fake_cuda_io
 
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
-    monkeypatch.setattr(ct, "_pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
     alive: dict[int, list] = {}
     peak = {}
-    real_upload = ct.CudaIO.upload
+    real_upload = fake_cuda.CudaIO.upload
 
     def upload(self, layers, with_grad):
         gc.collect()
@@ -514,14 +476,14 @@ def test_prefetch_keeps_at_most_two_stages_per_device_with_faked_cuda(monkeypatc
         resident = sum(1 for refs in mine if any(r() is not None for r in refs))
         peak[id(self)] = max(peak.get(id(self), 0), resident)
         weights, event = real_upload(self, layers, with_grad)
-        mine.append([weakref.ref(t) for w in weights for t in w.tensors.values()])
+        mine.append([weakref.ref(t) for d in weights.layers for t in d.values()])
         return weights, event
 
-    monkeypatch.setattr(ct.CudaIO, "upload", upload)
+    monkeypatch.setattr(fake_cuda.CudaIO, "upload", upload)
     torch.manual_seed(0)
     model = RoundPipe(transformer(), device=["cpu", "cpu"], num_microbatch=3,
                       max_resident_bytes=cap)
-    model._io = [ct.CudaIO(d, prefetch=True) for d in model.devices]
+    use_fake_cuda_io(model, fake_cuda)
     x, y = data("transformer", 0)
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
     assert set(peak.values()) == ({1} if cap is None else {0})

@@ -5,7 +5,8 @@ the optimizer runs on the CPU in fp32 with SIMD kernels (``roundpipe.optim``).
 """
 
 from .context import OptimizerCtx
-from .execute import layer_seed
+from .hf import wrap_model_to_roundpipe
+from .pipeline.execute import layer_seed
 from .microbatch import merge_outputs, split_microbatches
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .wrapper import RoundPipe
@@ -21,4 +22,5 @@ __all__ = [
     "merge_outputs",
     "save_for_recompute",
     "split_microbatches",
+    "wrap_model_to_roundpipe",
 ]

@@ -13,8 +13,11 @@ Device time is the run's wall time times the number of devices. "Waited for weig
 uploads the compute waited for (on the CPU the copies themselves; on CUDA measured on the
 device with events). "Waited for optimizer": time the devices sat idle between passes (the
 synchronous step, the final synchronisation) plus the time passes waited for a layer's update.
-On CUDA it also reports the achieved upload bandwidth against a pinned host-to-device copy
-measured in the same run.
+"weights/floor" and "grads/floor": weight bytes moved host to device and parameter-gradient
+bytes moved device to host, over their floors (each stage's weights once per forward and once
+per backward visit; each stage's gradients once per call, see ``roundpipe.stats``): 1.00x
+means nothing crossed twice. On CUDA it also reports the achieved upload bandwidth against a
+pinned host-to-device copy measured in the same run.
 
     python -m roundpipe.bench pipeline                                   # defaults
     python -m roundpipe.bench pipeline --devices cpu,cpu --layers 8 --hidden 256 --iters 5
@@ -92,9 +95,17 @@ def run_mode(mode: str, args, devices: list[str], dtype: torch.dtype) -> dict:
         "wait_optimizer_pct": 100 * (stats["optimizer_wait_s"] + idle_between) / device_total,
         "final_loss": float(losses[-1]),
     }
+    row["bytes"] = {k: v for k, v in stats.items() if k.endswith("_bytes")}
+    row["weights_vs_floor"] = _ratio(stats["h2d_weight_bytes"], stats["weight_floor_bytes"])
+    row["grads_vs_floor"] = _ratio(stats["d2h_param_grad_bytes"], stats["param_grad_floor_bytes"])
     if stats["upload_s"] > 0:
-        row["upload_gb_s"] = stats["upload_bytes"] / stats["upload_s"] / 1e9
+        row["upload_gb_s"] = (stats["h2d_weight_bytes"] + stats["h2d_buffer_bytes"]) \
+            / stats["upload_s"] / 1e9
     return row
+
+
+def _ratio(moved: float, floor: float):
+    return moved / floor if floor else None
 
 
 def run_torch(args, device: str, dtype: torch.dtype) -> dict:
@@ -202,17 +213,22 @@ def main(argv=None) -> None:
     rows = [run_torch(args, devices[0], dtype) if mode == "torch"
             else run_mode(mode, args, devices, dtype) for mode in args.modes]
     peak = pinned_copy_peak_gb_s(devices[0]) if cuda else None
-    header = f"{'mode':<7}{'tokens/s':>12}{'wait weights':>14}{'wait optimizer':>16}"
+    header = (f"{'mode':<7}{'tokens/s':>12}{'wait weights':>14}{'wait optimizer':>16}"
+              f"{'weights/floor':>15}{'grads/floor':>13}")
     if cuda:
         header += f"{'upload GB/s':>13}{'% of peak':>11}"
     print(header)
     def pct(x, width: int) -> str:
         return f"{'-':>{width + 1}}" if x is None else f"{x:>{width}.1f}%"
 
+    def ratio(x, width: int) -> str:
+        return f"{'-':>{width}}" if x is None else f"{x:>{width - 1}.2f}x"
+
     for r in rows:
         tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
         line = (f"{r['mode']:<7}{tps:>12}{pct(r['wait_weights_pct'], 13)}"
-                f"{pct(r['wait_optimizer_pct'], 15)}")
+                f"{pct(r['wait_optimizer_pct'], 15)}{ratio(r.get('weights_vs_floor'), 15)}"
+                f"{ratio(r.get('grads_vs_floor'), 13)}")
         if "note" in r:
             line += f"  ({r['note']})"
         if cuda and "upload_gb_s" in r:

@@ -14,6 +14,7 @@ from torch.autograd.graph import increment_version
 from torch.optim import Optimizer
 
 from .. import _C
+from ..host_buffers import host_zeros
 
 
 def scalar(x: Any) -> float:
@@ -206,12 +207,13 @@ class CpuOptimizer(Optimizer):
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict) -> None:
         """Fills the empty ``state`` of ``p`` as torch initialises most algorithms' state: each
         0-dim value (``_scalar_keys``) a float32 zero, each per-element tensor the group uses
-        (``_active_state_keys``) zeros shaped like ``p``. Algorithms that start elsewhere
-        override it."""
+        (``_active_state_keys``) zeros shaped like ``p`` (large ones in their own memory
+        mapping, see :mod:`roundpipe.host_buffers`). Algorithms that start elsewhere override
+        it."""
         for key in self._scalar_keys:
             state[key] = torch.zeros((), dtype=torch.float32)
         for key in self._active_state_keys(group):
-            state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state[key] = host_zeros(p.shape, p.dtype)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """As torch's ``__setstate__``: param groups from old checkpoints get the options they

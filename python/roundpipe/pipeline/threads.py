@@ -1,9 +1,11 @@
-"""The scheduler's threads and the primitives they wait on.
+"""The threads of a RoundPipe and the primitives they wait on.
 
 - :class:`Worker`: one daemon thread running submitted functions in order (one per compute
   device, and one for the CPU optimizer).
-- :class:`Slot`: a value handed from one worker to another (a stage's output for one microbatch,
-  the gradient of its input, ...), set once per pass.
+- :class:`Slot`: a value handed from one thread to another (a stage's output for one
+  microbatch, the gradient of its input, ...), set once per pass.
+- :class:`Permits`: a counting semaphore whose waits can be aborted (the bound on gradient
+  downloads not yet consumed by the optimizer side).
 - :class:`LayerGates`: per-layer readiness. A layer is *blocked* while an optimizer job that
   writes its model copy is queued or running; uploads of that layer wait until it is released.
 - :func:`run_all`: runs one function per worker and waits for all of them; the first error
@@ -29,14 +31,17 @@ _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
 @atexit.register
 def _stop_workers() -> None:
-    """At interpreter exit, let every idle worker thread finish before finalisation starts: a
-    daemon thread woken during finalisation is torn down inside C++ code (torch's), which
-    aborts the process ("terminate called without an active exception")."""
+    """At interpreter exit, lets every worker finish the work already queued (an asynchronous
+    optimizer step, say) and exit before finalisation starts. A daemon thread still inside
+    C++ code (an optimizer kernel, torch) when the interpreter finalises is torn down by a
+    forced unwind, which aborts the process ("terminate called without an active
+    exception"); queued work is finite, so waiting for it is the safe choice."""
     workers = list(_live)
     for w in workers:
         w.close()
     for w in workers:
-        w.join(timeout=2.0)
+        if not w.is_current():
+            w.join()
 
 
 class Aborted(Exception):
@@ -47,7 +52,8 @@ class Worker:
     """One daemon thread that runs submitted functions one after the other, in order.
 
     The thread starts on the first :meth:`submit`; :meth:`close` lets it exit after the work
-    already queued. Being a daemon thread, it never keeps the interpreter alive.
+    already queued. Being a daemon thread, it never keeps the interpreter alive (but see
+    :func:`_stop_workers`: queued work finishes at exit).
     """
 
     def __init__(self, name: str) -> None:
@@ -59,7 +65,11 @@ class Worker:
         _live.add(self)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future:
-        """Queues ``fn(*args)``; the returned future holds its result or exception."""
+        """Queues ``fn(*args)``; the returned future holds its result or exception.
+
+        Raises:
+            RuntimeError: the worker is closed.
+        """
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the worker is closed")
@@ -103,7 +113,20 @@ def _run(future: cf.Future, fn: Callable[..., Any], args: tuple) -> None:
     try:
         future.set_result(fn(*args))
     except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        # this frame is in the error's traceback: it must not refer to the future holding
+        # the error (a cycle that keeps the job, and its RoundPipe, alive until gc runs)
+        fn = args = None  # noqa: F841
         future.set_exception(e)
+        del e, future
+
+
+def _wait(event: threading.Event, abort: Optional[threading.Event]) -> None:
+    """Waits for ``event``; raises :class:`Aborted` once ``abort`` is set (checked first)."""
+    if abort is not None and abort.is_set():
+        raise Aborted()
+    while not event.wait(POLL_S):
+        if abort is not None and abort.is_set():
+            raise Aborted()
 
 
 class Slot:
@@ -126,22 +149,41 @@ class Slot:
         """Drops the value (its last reader is done with it); the slot stays set."""
         self._value = None
 
-    def get(self, abort: threading.Event) -> Any:
+    def get(self, abort: Optional[threading.Event]) -> Any:
         """The value, once set. Raises :class:`Aborted` if ``abort`` is set (checked first, so
         a worker whose inputs are all ready still stops at its next microbatch)."""
-        if abort.is_set():
-            raise Aborted()
-        while not self._event.wait(POLL_S):
-            if abort.is_set():
-                raise Aborted()
+        _wait(self._event, abort)
         return self._value
+
+
+class Permits:
+    """A counting semaphore of ``n`` permits whose :meth:`acquire` can be aborted."""
+
+    def __init__(self, n: int) -> None:
+        self._cond = threading.Condition()
+        self._free = n
+
+    def acquire(self, abort: Optional[threading.Event]) -> None:
+        """Takes one permit, waiting for one to be released; raises :class:`Aborted` if
+        ``abort`` is set while waiting."""
+        with self._cond:
+            while self._free == 0:
+                if abort is not None and abort.is_set():
+                    raise Aborted()
+                self._cond.wait(POLL_S)
+            self._free -= 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._free += 1
+            self._cond.notify()
 
 
 class LayerGates:
     """Per-layer readiness of the host model copy.
 
     :meth:`block` marks layers as about to be rewritten by an optimizer job (counted: several
-    jobs may be queued), :meth:`release` marks one job's write-back of them done. Uploads call
+    jobs may be queued), :meth:`release` marks one job's write of them done. Uploads call
     :meth:`wait` first, so a layer is never read while it is being written, and each layer waits
     only for its own update (no global barrier).
     """
@@ -178,34 +220,47 @@ class LayerGates:
         return time.perf_counter() - start
 
 
-def run_all(workers: Sequence[Worker], fns: Sequence[Callable[[threading.Event], Any]]) -> list:
+def run_all(workers: Sequence[Worker], fns: Sequence[Callable[[threading.Event], Any]],
+            abort: Optional[threading.Event] = None) -> list:
     """Runs ``fns[i](abort)`` on ``workers[i]`` and waits for all of them.
 
     If one raises, ``abort`` is set so the others stop at their next wait, and once all have
     stopped the first error (in completion order, :class:`Aborted` ignored) is raised here with
     its original traceback. If the calling thread is interrupted (e.g. ``KeyboardInterrupt``)
     the workers are aborted and waited for the same way before the interruption propagates.
-    Returns the functions' results.
+    Returns the functions' results. Nothing here keeps a reference to the error once it is
+    raised (the caller's traceback would otherwise form a cycle that only ``gc`` frees).
     """
-    abort = threading.Event()
+    abort = abort or threading.Event()
     futures = [w.submit(fn, abort) for w, fn in zip(workers, fns)]
-    first: Optional[BaseException] = None
     try:
-        pending = set(futures)
-        while pending:
-            done, pending = cf.wait(pending, timeout=POLL_S, return_when=cf.FIRST_EXCEPTION)
-            for f in done:
-                e = f.exception()
-                if e is not None and first is None and not isinstance(e, Aborted):
-                    first = e
-                    abort.set()
+        error = _wait_all(futures, abort)
     except BaseException:
         abort.set()
         cf.wait(futures)
         raise
-    if first is not None:
-        raise first
-    for f in futures:  # an Aborted without a cause cannot happen, but never return half results
-        if f.exception() is not None:
-            raise f.exception()
-    return [f.result() for f in futures]
+    if error is None:
+        return [f.result() for f in futures]
+    futures = None  # noqa: F841 - nothing here may refer to the error once it is raised
+    try:
+        raise error
+    finally:
+        error = None  # noqa: F841
+
+
+def _wait_all(futures: list, abort: threading.Event) -> Optional[BaseException]:
+    """Waits for every future; at the first error that is not :class:`Aborted` (in completion
+    order) sets ``abort`` and keeps waiting. Returns that error (else any error: an Aborted
+    without a cause cannot happen, but never return half results) or None."""
+    first = None
+    pending = set(futures)
+    while pending:
+        done, pending = cf.wait(pending, timeout=POLL_S, return_when=cf.FIRST_EXCEPTION)
+        for f in done:
+            e = f.exception()
+            if e is not None and first is None and not isinstance(e, Aborted):
+                first = e
+                abort.set()
+    if first is None:
+        first = next((f.exception() for f in futures if f.exception() is not None), None)
+    return first

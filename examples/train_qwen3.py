@@ -1,0 +1,399 @@
+"""The main job: train a small Qwen3-architecture Hugging Face model with RoundPipe, save it as an
+HF checkpoint, reload it with plain transformers and generate text with HF's generate().
+
+The model is built from a ``Qwen3Config`` (random weights; no download) and trained on the source
+text of Python's standard library, tokenised by a byte-level BPE tokenizer that this script trains
+first with the ``tokenizers`` library (a second or two). ``wrap_model_to_roundpipe`` splits the
+model into layers (embeddings + rotary + mask, one per decoder layer, final norm + chunked loss);
+the optimizer copies are fp32, stepped by ``roundpipe.optim.AdamW`` on the CPU; each layer is
+streamed to the compute device (the GPU when there is one, else the CPU) in microbatches, with
+recomputation.
+
+    python examples/train_qwen3.py                      # Python's standard library, from scratch
+    python examples/train_qwen3.py --lora --model PATH  # LoRA fine-tuning of a local HF checkpoint
+    python examples/train_qwen3.py --steps 400 --save-every 100
+    python examples/train_qwen3.py --steps 400 --resume  # continue the run in --out exactly
+
+Compute dtype: bf16 where the device computes it natively (CUDA; CPUs with AVX512-BF16 or AMX on
+x86, the BF16 extension on Arm), fp32 elsewhere (torch emulates bf16 matmuls there at a fraction
+of fp32's speed); printed at the start with the reason; ``--dtype`` overrides.
+
+Writes to --out: ``checkpoint/`` (every --save-every steps and at the end: the full training state
+for --resume), ``model/`` (the final model and tokenizer, ``from_pretrained``-loadable),
+``loss.png`` and ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import random
+import shutil
+import sys
+import sysconfig
+import time
+
+import torch
+from tqdm import tqdm
+
+import roundpipe
+import roundpipe.optim
+
+SPECIAL = "<|endoftext|>"
+
+
+# --- compute dtype ---------------------------------------------------------------------------------
+
+def cpu_bf16_native() -> tuple[bool, str]:
+    """Whether this CPU computes bf16 natively, from the kernel's CPU flags (Linux)."""
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False, "CPU features unknown (no /proc/cpuinfo)"
+    flags = set()
+    for line in info.splitlines():
+        key = line.split(":", 1)[0].strip().lower()
+        if key in ("flags", "features"):
+            flags.update(line.split(":", 1)[1].split())
+    x86 = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    if x86:
+        return True, f"the CPU has {'/'.join(x86)}"
+    if "bf16" in flags:
+        return True, "the CPU has the Arm BF16 extension"
+    return False, ("the CPU has no native bf16 (no AVX512-BF16/AMX, no Arm BF16): torch would "
+                   "emulate bf16 matmuls, several times slower than fp32")
+
+
+def choose_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The model copy's dtype and why."""
+    if requested != "auto":
+        return getattr(torch, requested), "--dtype"
+    if device.type == "cuda":
+        return torch.bfloat16, f"{torch.cuda.get_device_name(device)} computes bf16 natively"
+    native, why = cpu_bf16_native()
+    return (torch.bfloat16 if native else torch.float32), why
+
+
+# --- data ------------------------------------------------------------------------------------------
+
+def read_texts(path: pathlib.Path, limit: int) -> list[str]:
+    """A text file, or the .py/.txt/.md/.rst files under a folder, up to ``limit`` characters;
+    the files in a fixed shuffled order, so a partial read samples the whole folder (the
+    standard library read alphabetically starts with tables of Unicode names)."""
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.suffix in {".py", ".txt", ".md", ".rst"} and p.is_file())
+    random.Random(0).shuffle(files)
+    texts, total = [], 0
+    for f in files:
+        texts.append(f.read_text("utf-8", "replace"))
+        total += len(texts[-1])
+        if total >= limit:
+            break
+    if total < 10_000:
+        raise SystemExit(f"--data {path}: only {total} characters of text found")
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer (GPT-2/Qwen style) trained on ``texts`` with ``tokenizers``,
+    as a transformers ``PreTrainedTokenizerFast`` (saved with the model)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[SPECIAL],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL, bos_token=SPECIAL,
+                                   pad_token=SPECIAL)
+
+
+def encode(tokenizer, texts: list[str]) -> torch.Tensor:
+    """All texts as one stream of token ids, documents separated by the end-of-text token."""
+    eos = tokenizer.eos_token_id
+    ids = []
+    for row in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(row)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# --- model -----------------------------------------------------------------------------------------
+
+def build_model(args, vocab_size: int, tokenizer):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if args.model is not None:
+        return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    head_dim = args.hidden // args.heads
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=head_dim, max_position_embeddings=args.seq,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return Qwen3ForCausalLM(config).float()
+
+
+def add_lora(model, r: int):
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                            target_modules=targets))
+
+
+# --- checkpoints -------------------------------------------------------------------------------------
+
+def save_checkpoint(folder: pathlib.Path, model, opt, schedule, gen, step: int, history: dict,
+                    tokenizer, args) -> None:
+    """Everything --resume needs, written to a temporary folder then renamed (a crash while
+    saving keeps the previous checkpoint)."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": schedule.state_dict(), "torch_rng": torch.get_rng_state(),
+                "data_rng": gen.get_state(), "history": history,
+                "args": {k: str(v) for k, v in vars(args).items()}}, tmp / "trainer_state.pt")
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+
+
+def load_checkpoint(folder: pathlib.Path, model, opt, schedule, gen) -> tuple[int, dict]:
+    state = torch.load(folder / "trainer_state.pt", weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    gen.set_state(state["data_rng"])
+    return state["step"], state["history"]
+
+
+# --- main --------------------------------------------------------------------------------------------
+
+def parse_args():
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--data", type=pathlib.Path, default=pathlib.Path(sysconfig.get_paths()["stdlib"]),
+                    help="a text file, or a folder whose .py/.txt/.md/.rst files are read "
+                         "(default: Python's standard library)")
+    ap.add_argument("--max-chars", type=int, default=4_000_000, help="read at most this much text")
+    ap.add_argument("--model", type=pathlib.Path, default=None,
+                    help="fine-tune this local HF checkpoint (with its own tokenizer) instead "
+                         "of a new model")
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of all weights")
+    ap.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
+    ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary of the new tokenizer")
+    ap.add_argument("--hidden", type=int, default=384, help="model width (new model)")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (new model)")
+    ap.add_argument("--heads", type=int, default=6, help="attention heads (new model)")
+    ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (new model)")
+    ap.add_argument("--steps", type=int, default=150, help="optimizer steps (in total, with --resume)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    ap.add_argument("--microbatches", type=int, default=2, help="microbatches per step")
+    ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay)")
+    ap.add_argument("--warmup", type=int, default=15, help="linear warm-up steps")
+    ap.add_argument("--weight-decay", type=float, default=0.05)
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                    help="dtype of the model copy, the compute dtype (the optimizer copies are "
+                         "float32); auto: bf16 where the device has it natively, else fp32")
+    ap.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="also write the checkpoint every this many steps (0: only at the end)")
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="end this run after that step (checkpoint written), as an interruption "
+                         "would; --resume continues it")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from --out/checkpoint: the same run as without interruption")
+    ap.add_argument("--sample-tokens", type=int, default=80, help="length of the generated sample")
+    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/qwen3"),
+                    help="folder for the checkpoint, the model, loss.png and metrics.json")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    for name in ("steps", "batch", "seq", "microbatches", "hidden", "layers", "heads", "kv_heads",
+                 "vocab", "lora_r", "sample_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.save_every < 0:
+        ap.error("--save-every must be >= 0")
+    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
+        ap.error("--stop-after must be between 1 and --steps")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        ap.error("--hidden must be a multiple of --heads, and --heads of --kv-heads")
+    if args.model is not None and not args.model.is_dir():
+        ap.error(f"--model {args.model}: not a folder")
+    if args.resume and not (args.out / "checkpoint" / "trainer_state.pt").exists():
+        ap.error(f"--resume: no checkpoint in {args.out / 'checkpoint'}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    device = torch.device(args.device) if args.device else (
+        torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+    dtype, why = choose_dtype(args.dtype, device)
+    print(f"compute dtype {str(dtype).removeprefix('torch.')} on {device}: {why}")
+
+    torch.manual_seed(args.seed)
+    start_all = time.perf_counter()
+    texts = read_texts(args.data, args.max_chars)
+    checkpoint = args.out / "checkpoint"
+    if args.resume:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        how = f"from {checkpoint}"
+    elif args.model is not None:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        how = f"from {args.model}"
+    else:
+        t0 = time.perf_counter()
+        tokenizer = train_tokenizer(texts, args.vocab)
+        how = f"byte-level BPE trained in {time.perf_counter() - t0:.1f} s"
+    ids = encode(tokenizer, texts)
+    val_size = max(len(ids) // 50, 8 * (args.seq + 1))
+    if len(ids) - val_size < 8 * (args.seq + 1):
+        raise SystemExit(f"--data {args.data}: {len(ids)} tokens are too few for --seq {args.seq}")
+    train, val = ids[:-val_size], ids[-val_size:]
+    print(f"{sum(map(len, texts)):,} characters from {args.data} -> {len(ids):,} tokens "
+          f"(tokenizer: {len(tokenizer):,} tokens, {how})")
+
+    net = build_model(args, len(tokenizer), tokenizer)
+    if args.lora:
+        net = add_lora(net, args.lora_r)
+    model = roundpipe.wrap_model_to_roundpipe(net.to(dtype), torch.float32, device=device,
+                                              num_microbatch=args.microbatches)
+    named = list(model.optim_named_parameters())
+    decay = [p for n, p in named if p.dim() >= 2]
+    no_decay = [p for n, p in named if p.dim() < 2]
+    opt = roundpipe.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=args.lr, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for _, p in named)
+    print(f"{type(model.hf_model).__name__}: {total / 1e6:.1f}M parameters, {trained / 1e6:.2f}M "
+          f"trained{' (LoRA)' if args.lora else ''}; "
+          f"{model.hf_model.config.num_hidden_layers + 2} pipeline layers; "
+          f"{str(dtype).removeprefix('torch.')} model copy, float32 optimizer copies; "
+          f"optimizer ISA {roundpipe.optim.active_isa()}, {roundpipe.optim.num_threads()} threads")
+
+    gen = torch.Generator().manual_seed(args.seed)
+    history = {"step": [], "loss": [], "tokens_per_s": [], "optimizer_ms": []}
+    first = 1
+    if args.resume:
+        done, history = load_checkpoint(checkpoint, model, opt, schedule, gen)
+        first = done + 1
+        print(f"resumed from {checkpoint} after step {done}")
+
+    def batch(source: torch.Tensor, size: int, g: torch.Generator) -> torch.Tensor:
+        idx = torch.randint(0, len(source) - args.seq, (size,), generator=g)
+        return torch.stack([source[i: i + args.seq] for i in idx.tolist()])
+
+    def val_loss() -> float:
+        model.eval()
+        x = batch(val, 16, torch.Generator().manual_seed(1234))  # the same sequences each time
+        with torch.random.fork_rng():  # leaves the training run's random stream as it was
+            loss = model(input_ids=x, labels=x).loss.item()
+        model.train()
+        return loss
+
+    tokens = args.batch * args.seq
+    last = args.steps if args.stop_after is None else args.stop_after
+    first_val = val_loss()
+    start = time.perf_counter()
+    bar = tqdm(range(first, last + 1), unit="step", dynamic_ncols=True,
+               initial=first - 1, total=args.steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        x = batch(train, args.batch, gen)
+        loss = model.forward_backward(input_kwargs={"input_ids": x, "labels": x})
+        t1 = time.perf_counter()
+        model.step(lambda: (torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+                            opt.step(), opt.zero_grad()))
+        schedule.step()
+        t2 = time.perf_counter()
+        history["step"].append(step)
+        history["loss"].append(loss.item())
+        history["tokens_per_s"].append(tokens / (t2 - t0))
+        history["optimizer_ms"].append(1e3 * (t2 - t1))
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (t2 - t0):,.0f}",
+                        opt_ms=f"{1e3 * (t2 - t1):.1f}")
+        if step == last or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(checkpoint, model, opt, schedule, gen, step, history, tokenizer, args)
+    bar.close()
+    elapsed = time.perf_counter() - start
+    last_val = val_loss()
+
+    # the round trip: an HF checkpoint, reloaded and sampled by plain transformers
+    final = args.out / "model"
+    model.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    if args.lora:
+        model.save_pretrained(args.out / "model-merged", merged=True)
+        tokenizer.save_pretrained(args.out / "model-merged")
+        final = args.out / "model-merged"
+    reloaded = AutoModelForCausalLM.from_pretrained(final).eval()
+    prompt = tokenizer("def ", return_tensors="pt")
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        out = reloaded.generate(**prompt, max_new_tokens=args.sample_tokens, do_sample=True,
+                                temperature=0.8, top_k=50, pad_token_id=tokenizer.pad_token_id)
+    sample = tokenizer.decode(out[0], skip_special_tokens=True)
+
+    history_tps = history["tokens_per_s"][first - 1:] or [0.0]  # this run's steps
+    window = max(1, len(history["loss"]) // 10)
+    metrics = {
+        "config": {k: str(v) for k, v in vars(args).items()},
+        "dtype": str(dtype), "dtype_reason": why,
+        "parameters": total, "trained_parameters": trained,
+        "first_loss": history["loss"][0] if history["loss"] else None,
+        "final_loss_mean_last_10pct": sum(history["loss"][-window:]) / window,
+        "val_loss_before": first_val, "val_loss_after": last_val,
+        "tokens_per_s_median": sorted(history_tps)[len(history_tps) // 2],
+        "optimizer_ms_median": sorted(history["optimizer_ms"])[len(history["optimizer_ms"]) // 2]
+        if history["optimizer_ms"] else 0.0,
+        "train_seconds": elapsed, "total_seconds": time.perf_counter() - start_all,
+        "sample": sample, "history": history,
+    }
+    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(history["step"], history["loss"], lw=1)
+    ax.set(xlabel="step", ylabel="training loss (nats/token)",
+           title=f"RoundPipe: {type(model.hf_model).__name__}, {total / 1e6:.1f}M params, "
+                 f"{str(dtype).removeprefix('torch.')} + fp32 AdamW")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.out / "loss.png", dpi=120)
+
+    print(f"\nloss {metrics['first_loss']:.3f} -> {metrics['final_loss_mean_last_10pct']:.3f} "
+          f"(mean of the last {window} steps); validation {first_val:.3f} -> {last_val:.3f}")
+    print(f"{metrics['tokens_per_s_median']:,.0f} tokens/s (median step); optimizer step "
+          f"{metrics['optimizer_ms_median']:.1f} ms (median); {metrics['total_seconds']:.0f} s in all")
+    print(f"wrote {checkpoint} (--resume), {args.out / 'model'} (save_pretrained), "
+          f"{args.out / 'loss.png'}, {args.out / 'metrics.json'}")
+    print(f"reloaded {final} with transformers.AutoModelForCausalLM; generate() from 'def ':\n"
+          + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""Hugging Face causal LMs in RoundPipe: :func:`wrap_model_to_roundpipe` splits a transformers
+(or PEFT) decoder-only model into pipeline layers and gives the wrapper HF semantics.
+
+Modules: ``wrap`` (finding the parts), ``layers`` (prefix, decoder layers, postfix and what
+travels between them), ``loss`` (the chunked causal-LM loss), ``moe`` (routing kept for the
+recomputation, the whole-batch router auxiliary loss), ``model`` (:class:`HFRoundPipe`),
+``save`` (``save_pretrained``). transformers and peft are imported only when an HF model is
+wrapped: ``import roundpipe`` does not need them.
+"""
+
+from .loss import chunked_cross_entropy_sum
+from .model import HFRoundPipe
+from .wrap import wrap_model_to_roundpipe
+
+
+__all__ = ["HFRoundPipe", "chunked_cross_entropy_sum", "wrap_model_to_roundpipe"]

@@ -1,0 +1,141 @@
+"""The pipeline layers of a Hugging Face decoder-only causal LM.
+
+A model is cut into ``[prefix, decoder layer 0, ..., decoder layer L-1, postfix]``. Layer 0 (the
+prefix) receives the user's keyword arguments; every later layer receives the previous one's
+output, a *state* dict:
+
+============== =================================== ==========================================
+key            value                               why it travels
+============== =================================== ==========================================
+hidden         ``(B, S, H)`` model dtype           the activation (the only tensor with a
+                                                   gradient)
+position_ids   ``(1, S)`` or ``(B, S)`` int64      HF's mask functions and attention kernels
+attention_mask ``(B, S)`` as given, or None        the padding mask, 2D: each decoder layer
+                                                   builds its 4D mask from it on the device
+labels         ``(B, S)`` int64, shifted, or None  read by the postfix (the loss)
+cos, sin       ``(1 or B, S, head_dim)`` bit       rotary embedding, computed once per
+               pattern as an integer tensor        microbatch by the prefix
+rope_dtype     a ``torch.dtype``                   the floating dtype of cos/sin
+============== =================================== ==========================================
+
+Bytes per layer and microbatch, host <-> device, besides the hidden state ``2·B·S·H`` (bf16):
+the 2D mask, positions and labels (``8·S`` to ``8·B·S`` each) and cos/sin (``4·S·head_dim`` for
+the default positions) — a few percent of the hidden state for real sizes. Two choices keep it so:
+
+- The 4D attention mask is **not** sent: for padded batches it is ``B·S²`` (as large as the
+  hidden state at 8k tokens). Each decoder layer calls HF's own mask function
+  (``create_causal_mask`` / ``create_sliding_window_causal_mask``, for the configured attention
+  implementation) on the 2D mask, on the device, as HF's model forward does once per call: the
+  same mask, for ``O(B·S²)`` elementwise work against attention's ``O(B·S²·hidden)``.
+- cos/sin travel as their bit patterns in an integer tensor (``Tensor.view(torch.int16)`` for
+  bf16/fp16, ``int32`` for fp32): the pipeline attaches gradients only to floating stage inputs,
+  so no gradient is computed for them or sent back through every layer; the decoder layer views
+  them back (no copy, exact).
+
+Labels travel with the state rather than through ``label=``/``loss_fn``, because the loss is
+computed inside the postfix, where the ``lm_head`` weight is (see :mod:`.loss`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from . import moe
+from .loss import chunked_cross_entropy_sum, shift_labels
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(_BITS[t.element_size()])
+
+
+class Prefix(nn.Module):
+    """Layer 0: token embeddings, position ids, rotary cos/sin (once per microbatch), shifted
+    labels. Takes the keyword arguments of HF's ``ForCausalLM.forward`` that RoundPipe supports."""
+
+    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.rotary_emb = rotary_emb
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                inputs_embeds: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> dict:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("RoundPipe (Hugging Face model): give exactly one of input_ids "
+                             "and inputs_embeds")
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        return {"hidden": hidden, "position_ids": position_ids, "attention_mask": attention_mask,
+                "labels": None if labels is None else shift_labels(labels),
+                "cos": _as_bits(cos), "sin": _as_bits(sin), "rope_dtype": cos.dtype}
+
+
+class Decoder(nn.Module):
+    """One HF decoder layer, called as the HF model calls it (``use_cache=False``), with its 4D
+    mask built by ``mask_fn`` (HF's mask function for the layer's attention type)."""
+
+    def __init__(self, layer: nn.Module, config: Any, mask_fn: Callable,
+                 routing: Optional["RoutingState"] = None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.config = config
+        self.mask_fn = mask_fn
+        self.routing = routing
+
+    def forward(self, state: dict) -> dict:
+        hidden = state["hidden"]
+        # positional: the 4th parameter is the cache (named past_key_values before 5.x renames)
+        mask = self.mask_fn(self.config, hidden, state["attention_mask"], None,
+                            state["position_ids"])
+        dtype = state["rope_dtype"]
+        rope = (state["cos"].view(dtype), state["sin"].view(dtype))
+        if self.routing is None:
+            out = self._call(hidden, mask, state["position_ids"], rope)
+        else:
+            with moe.routing_scope(self.routing.stats, state["attention_mask"], self.routing.coef):
+                out = self._call(hidden, mask, state["position_ids"], rope)
+        return {**state, "hidden": out}
+
+    def _call(self, hidden, mask, position_ids, rope) -> torch.Tensor:
+        out = self.layer(hidden, attention_mask=mask, position_ids=position_ids,
+                         position_embeddings=rope, use_cache=False)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class Postfix(nn.Module):
+    """Last layer: final norm, then either the logits (no labels in the state: ``(B, S, V)``, as
+    HF's ``logits``) or the summed cross-entropy of the microbatch computed in chunks of
+    ``chunk_size`` tokens without the logits (fp32, 0-dim; see :mod:`.loss`)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, chunk_size: int) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+        self.chunk_size = chunk_size
+
+    def forward(self, state: dict) -> torch.Tensor:
+        hidden = self.norm(state["hidden"])
+        if state["labels"] is None:
+            return self.lm_head(hidden)
+        return chunked_cross_entropy_sum(hidden, self.lm_head.weight, self.lm_head.bias,
+                                         state["labels"], self.chunk_size)
+
+
+class RoutingState:
+    """Shared by the MoE decoder layers of one wrapper: the current call's
+    :class:`~roundpipe.hf.moe.RouterStats` (set by the wrapper before each pass) and the
+    auxiliary-loss coefficient (None: no auxiliary loss)."""
+
+    def __init__(self, num_experts: int, coef: Optional[float]) -> None:
+        self.num_experts = num_experts
+        self.coef = coef
+        self.stats: Optional[moe.RouterStats] = None

@@ -1,0 +1,249 @@
+"""``HFRoundPipe``: RoundPipe with Hugging Face semantics (built by ``wrap_model_to_roundpipe``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..wrapper import RoundPipe
+from . import moe, save
+from .layers import Decoder, Postfix, Prefix, RoutingState
+from .loss import count_items
+from .wrap import Parts, disable_gradient_checkpointing
+
+# keyword arguments of HF's ForCausalLM.forward that the wrapper honours
+_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
+
+
+class HFRoundPipe(RoundPipe):
+    """A Hugging Face causal LM (or a PEFT model around one) in RoundPipe; see
+    :func:`roundpipe.wrap_model_to_roundpipe`, which builds it.
+
+    Attributes:
+        hf_model: the transformers model (the PEFT model's base model for PEFT).
+        peft_model: the ``PeftModel`` or None. ``module`` (what ``state_dict``,
+            ``named_parameters`` and attribute access present) is the PEFT model if any,
+            else the transformers model.
+        loss_chunk_size: tokens per chunk of the training loss.
+    """
+
+    def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None, *,
+                 loss_chunk_size: int = 1024, **roundpipe_kwargs: Any) -> None:
+        if not isinstance(loss_chunk_size, int) or isinstance(loss_chunk_size, bool) \
+                or loss_chunk_size < 1:
+            raise ValueError(f"wrap_model_to_roundpipe: loss_chunk_size must be an int >= 1, "
+                             f"got {loss_chunk_size!r}")
+        if "layers" in roundpipe_kwargs:
+            raise TypeError("wrap_model_to_roundpipe: layers= is built from the model; not accepted")
+        peft = _peft_base(model)
+        hf = model if peft is None else peft.get_base_model()
+        parts = Parts(hf)
+        routing, routers = _find_moe(hf, parts)
+        moe_layers = sorted(routers)
+        layers = [Prefix(parts.embed_tokens, parts.rotary_emb)]
+        layers += [Decoder(layer, parts.config, fn, routing if i in moe_layers else None)
+                   for i, (layer, fn) in enumerate(zip(parts.layers, parts.mask_fns))]
+        layers.append(Postfix(parts.norm, parts.lm_head, loss_chunk_size))
+        if routing is not None and routing.coef is not None:
+            _check_last_stage(len(layers), roundpipe_kwargs.get("layers_per_stage", 1),
+                              [i + 1 for i in moe_layers])
+        super().__init__(model, optim_dtype, layers=layers, **roundpipe_kwargs)
+        disable_gradient_checkpointing(model)
+        for modules in routers.values():
+            for router in modules:
+                router.register_forward_hook(moe.router_hook)
+        self.hf_model = hf
+        self.peft_model = peft
+        self.loss_chunk_size = loss_chunk_size
+        self._routing = routing
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes not of the wrapper come from the wrapped model (``config``,
+        ``generation_config``, ``peft_config``, ...)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or "module" not in self.__dict__.get("_modules", {}):
+                raise
+            return getattr(self._modules["module"], name)
+
+    # --- passes -----------------------------------------------------------------------------
+
+    def _begin_routing(self) -> Optional[moe.RouterStats]:
+        """Fresh routing sums for a call (MoE models with the auxiliary loss on)."""
+        if self._routing is None or self._routing.coef is None:
+            return None
+        self._routing.stats = moe.RouterStats(self._routing.num_experts)
+        return self._routing.stats
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None, attention_mask=None, *,
+                labels: Optional[torch.Tensor] = None, num_microbatch: Optional[int] = None,
+                use_cache: Optional[bool] = None, return_dict: Optional[bool] = None,
+                **kwargs: Any):
+        """Runs the model as ``hf_model(input_ids, attention_mask, labels=..., use_cache=False)``
+        would, in microbatches, without autograd, and returns the same kind of output object
+        (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE models) on the
+        host: ``logits`` ``(B, S, V)`` in the model dtype, and with ``labels`` the ``loss``
+        (HF's ``loss_function`` on the merged logits; for MoE with
+        ``config.output_router_logits``, plus ``router_aux_loss_coef * aux_loss``).
+
+        Accepted keyword arguments: ``position_ids``, ``inputs_embeds``, ``labels``,
+        ``num_items_in_batch``, ``use_cache`` (only False/None: there is no cache),
+        ``return_dict`` (ignored: an output object is always returned), ``num_microbatch``.
+
+        Raises:
+            TypeError: another keyword argument (e.g. ``past_key_values``,
+                ``output_attentions``), or ``use_cache=True``.
+        """
+        num_items = kwargs.pop("num_items_in_batch", None)
+        inputs = _inputs(input_ids, attention_mask, kwargs, "forward")
+        if use_cache:
+            raise TypeError("RoundPipe.forward: use_cache=True is not supported (no KV cache); "
+                            "generate with the unwrapped model or a reloaded checkpoint")
+        stats = self._begin_routing()
+        logits = super().forward(num_microbatch=num_microbatch, **inputs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+        loss = None
+        if labels is not None:
+            extra = {} if num_items is None else {"num_items_in_batch": num_items}
+            loss = self.hf_model.loss_function(logits, labels, vocab_size=self.hf_model.config.vocab_size,
+                                               **extra)
+        if self._routing is None:
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+        aux = None
+        if stats is not None:
+            aux = stats.aux_loss()
+            if loss is not None:
+                loss = loss + self._routing.coef * aux
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits)
+
+    def forward_backward(self, input_args: tuple = (), input_kwargs: Optional[dict] = None,
+                         label: Any = None, loss_fn: Optional[Callable[..., torch.Tensor]] = None,
+                         return_outputs: bool = False, num_microbatch: Optional[int] = None,
+                         optimizer: Optional[torch.optim.Optimizer] = None):
+        """One forward and backward pass (see :meth:`roundpipe.RoundPipe.forward_backward`).
+
+        Without ``loss_fn``: HF's causal-LM loss of the **whole batch**.
+        ``input_kwargs`` holds ``input_ids`` (or ``inputs_embeds``), optionally
+        ``attention_mask`` and ``position_ids``, and ``labels`` (``(B, S)`` int, ``-100``
+        ignored, shifted inside as HF does). The returned loss and the gradients are those of
+        ``hf_model(**input_kwargs).loss`` on the unsplit batch, whatever ``num_microbatch``:
+        the cross-entropy summed over the batch's scored tokens and divided by their count
+        (``num_items_in_batch`` in ``input_kwargs``, a number or 0-dim tensor, overrides the
+        count, e.g. for gradient accumulation over several calls, as HF's Trainer passes it),
+        plus, for a MoE model with ``config.output_router_logits``,
+        ``router_aux_loss_coef`` times HF's load-balancing loss of the whole batch (see
+        :mod:`roundpipe.hf.moe`). The cross-entropy is computed in chunks of
+        ``loss_chunk_size`` tokens, never materialising the logits.
+
+        With ``loss_fn``: as :class:`~roundpipe.RoundPipe`, ``loss_fn`` receiving the logits
+        ``(b, S, V)`` of each microbatch (and its ``label``).
+
+        Raises:
+            TypeError: no ``loss_fn`` and no ``labels``; ``input_args`` without ``loss_fn``
+                (pass keyword arguments); an unsupported keyword argument;
+                ``return_outputs=True`` without ``loss_fn``.
+        """
+        kwargs = dict(input_kwargs or {})
+        if loss_fn is not None:
+            if "labels" in kwargs:
+                raise TypeError("RoundPipe.forward_backward: with loss_fn, pass the targets as "
+                                "label=, not labels in input_kwargs")
+            self._begin_routing()
+            return super().forward_backward(input_args, kwargs, label, loss_fn, return_outputs,
+                                            num_microbatch, optimizer)
+        if input_args:
+            raise TypeError("RoundPipe.forward_backward: pass the model inputs as input_kwargs "
+                            "(input_ids=..., labels=...)")
+        if return_outputs:
+            raise TypeError("RoundPipe.forward_backward: return_outputs=True needs a loss_fn (the "
+                            "built-in loss never materialises the logits)")
+        labels = kwargs.pop("labels", None)
+        if labels is None:
+            raise TypeError("RoundPipe.forward_backward: give labels in input_kwargs (HF's "
+                            "causal-LM loss) or a loss_fn")
+        if label is not None:
+            raise TypeError("RoundPipe.forward_backward: label= is for a custom loss_fn; put "
+                            "the targets in input_kwargs['labels']")
+        num_items = kwargs.pop("num_items_in_batch", None)
+        inputs = _inputs(kwargs.pop("input_ids", None), kwargs.pop("attention_mask", None),
+                         kwargs, "forward_backward")
+        inputs["labels"] = labels
+        if num_items is None:
+            num_items = count_items(labels)
+        denominator = float(num_items)
+        stats = self._begin_routing()
+        loss = super().forward_backward((), inputs, None, lambda total: total / denominator,
+                                        False, num_microbatch, optimizer)
+        if stats is not None:
+            loss = loss + self._routing.coef * stats.aux_loss()
+        return loss
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def save_pretrained(self, save_directory: str, dtype: Optional[torch.dtype] = None,
+                        merged: bool = False, **kwargs: Any) -> None:
+        """Writes a checkpoint that transformers (or peft) loads; see
+        :func:`roundpipe.hf.save.save_pretrained`."""
+        save.save_pretrained(self, save_directory, dtype=dtype, merged=merged, **kwargs)
+
+
+def _peft_base(model: nn.Module):
+    """The model if it is a peft ``PeftModel``, else None."""
+    import sys
+
+    peft = sys.modules.get("peft")
+    return model if peft is not None and isinstance(model, peft.PeftModel) else None
+
+
+def _inputs(input_ids, attention_mask, kwargs: dict, where: str) -> dict:
+    """The prefix's keyword arguments from HF-style inputs; anything else is a TypeError."""
+    for key in ("use_cache", "return_dict"):
+        if kwargs.get(key):
+            if key == "use_cache":
+                raise TypeError(f"RoundPipe.{where}: use_cache=True is not supported (no KV cache)")
+        kwargs.pop(key, None)
+    unknown = sorted(k for k in kwargs if k not in _INPUT_KEYS)
+    if unknown:
+        raise TypeError(f"RoundPipe.{where}: unsupported argument(s) {', '.join(unknown)} "
+                        f"(supported: {', '.join(_INPUT_KEYS)}, labels, num_items_in_batch)")
+    out = {k: v for k, v in kwargs.items() if v is not None}
+    if input_ids is not None:
+        out["input_ids"] = input_ids
+    if attention_mask is not None:
+        out["attention_mask"] = attention_mask
+    return out
+
+
+def _find_moe(hf: nn.Module, parts: Parts):
+    """The routing state of a MoE model (None for a dense one) and its routers:
+    ``{decoder layer index: [router modules]}``."""
+    router_cls = moe.find_router_class(hf)
+    if router_cls is None:
+        return None, {}
+    routers = {i: found for i, layer in enumerate(parts.layers)
+               if (found := moe.find_routers(layer, router_cls))}
+    if not routers:
+        return None, {}
+    config = parts.config
+    coef = (float(config.router_aux_loss_coef)
+            if getattr(config, "output_router_logits", False) else None)
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts")
+    return RoutingState(int(num_experts), coef), routers
+
+
+def _check_last_stage(num_layers: int, layers_per_stage: Any, moe_layers: list) -> None:
+    """With the auxiliary loss, no MoE layer may be in the last stage (see roundpipe.hf.moe)."""
+    if not isinstance(layers_per_stage, int) or layers_per_stage < 1:
+        return  # RoundPipe reports it
+    last_start = (num_layers - 1) // layers_per_stage * layers_per_stage
+    if any(i >= last_start for i in moe_layers):
+        raise ValueError(
+            f"wrap_model_to_roundpipe: with layers_per_stage={layers_per_stage} the last stage "
+            f"(layers {last_start}..{num_layers - 1}, the postfix included) holds a MoE layer; "
+            "its router auxiliary loss needs the whole forward pass before its backward. Choose "
+            f"layers_per_stage so that (number of layers {num_layers} - 1) is a multiple of it, "
+            "e.g. 1")

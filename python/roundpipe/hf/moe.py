@@ -1,0 +1,206 @@
+"""Mixture-of-experts routing in the pipeline: decisions kept for the recomputation, and HF's
+router auxiliary (load-balancing) loss of the whole batch.
+
+**Routing kept.** Each decoder layer runs twice in training (forward pass, then the
+recomputation in the backward pass). The router's top-k choice is made once, in the forward
+pass; the indices are kept on the host (``save_for_recompute``) and the recomputation uses them:
+it recomputes only the router's probabilities (with autograd) and gathers the routing weights at
+the kept indices, so both runs route every token identically and the recomputation has no
+data-dependent decision of its own.
+
+**Auxiliary loss of the whole batch.** HF's ``load_balancing_loss_func`` (Switch Transformer,
+eqs. 4-6) over all MoE layers ``l`` and tokens ``t`` of the batch (padding excluded by the
+attention mask ``m_t``) is::
+
+    aux = E * sum_e (A_e / R) * (P_e / R),   A_e = sum_{l,t} m_t [e in topk_l(t)],
+                                             P_e = sum_{l,t} m_t softmax(logits_l(t))_e,
+                                             R   = sum_{l,t} m_t
+
+``A`` and ``R`` are counts (no gradient). Once they are known, ``aux`` is linear in the router
+probabilities, so it splits exactly over microbatches and layers: the gradient reaching layer
+``l``'s router on microbatch ``k`` is that of ``E / R^2 * sum_e A_e * P_e^(l,k)``. The forward
+pass gathers ``A``, ``P`` and ``R`` over every microbatch; every recomputation runs after the
+whole forward pass (the backward of a stage follows the forward of all earlier stages), so it
+knows them, and adds that gradient to its router through :class:`_AddAuxGrad` (the "auxiliary
+loss auto-scaler" of Megatron-LM's MoE layer: identity forward, a constant gradient for the
+auxiliary term in backward). The loss value ``router_aux_loss_coef * aux`` is computed once from
+the gathered sums at the end of the pass. Because the gradient needs the whole forward pass, a
+MoE layer cannot share the last stage (which runs only once, with autograd) when the auxiliary
+loss is on; :func:`roundpipe.wrap_model_to_roundpipe` checks that.
+
+Per-family code: the recomputed routing weights follow the Qwen3-MoE router
+(``softmax`` in fp32, top-k, renormalised when ``norm_topk_prob``, cast to the logits' dtype),
+shared by the Qwen2/Qwen3-MoE, Mixtral and OLMoE routers of transformers 5.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .. import recompute
+
+_local = threading.local()
+
+
+class _AddAuxGrad(torch.autograd.Function):
+    """Returns ``x`` unchanged; in backward, gives ``aux`` the gradient 1 (so ``aux``, a scalar
+    built from the router probabilities, adds its gradient to them) and passes ``x``'s gradient
+    through. Technique of Megatron-LM's ``MoEAuxLossAutoScaler``."""
+
+    @staticmethod
+    def forward(ctx, x, aux):
+        ctx.aux_shape = aux.shape
+        ctx.aux_meta = (aux.dtype, aux.device)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.aux_meta
+        return grad, torch.ones(ctx.aux_shape, dtype=dtype, device=device)
+
+
+class RouterStats:
+    """Routing sums of one ``forward``/``forward_backward`` call over all MoE layers and
+    microbatches, on the host in fp32: ``counts[e]`` (A), ``probs[e]`` (P, detached) and
+    ``rows`` (R), as defined in this module's docstring. Filled by the forward pass (worker
+    threads, under a lock); read by the recomputations and at the end of the call."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.lock = threading.Lock()
+        self.counts = torch.zeros(num_experts, dtype=torch.float32)
+        self.probs = torch.zeros(num_experts, dtype=torch.float32)
+        self.rows = torch.zeros((), dtype=torch.float32)
+        self._scale: dict[torch.device, torch.Tensor] = {}
+
+    def add(self, stats: torch.Tensor) -> None:
+        """Adds one router's ``[counts (E), probs (E), rows (1)]`` (any device)."""
+        stats = stats.to("cpu")
+        e = self.num_experts
+        with self.lock:
+            self.counts += stats[:e]
+            self.probs += stats[e:2 * e]
+            self.rows += stats[2 * e]
+
+    def grad_scale(self, device: torch.device, coef: float) -> torch.Tensor:
+        """``coef * E / R^2 * A`` on ``device`` (fp32, (E,)): the gradient of the scaled
+        auxiliary loss w.r.t. one router's mask-weighted probability sums."""
+        with self.lock:
+            if device not in self._scale:
+                scale = coef * self.num_experts / (self.rows * self.rows) * self.counts
+                self._scale[device] = scale.to(device)
+            return self._scale[device]
+
+    def aux_loss(self) -> torch.Tensor:
+        """HF's ``load_balancing_loss_func`` value for the whole call (fp32, 0-dim, host)."""
+        return self.num_experts * torch.sum((self.counts / self.rows) * (self.probs / self.rows))
+
+
+class _LayerRouting:
+    """What the routers of the running decoder layer need: the call's stats, the flattened
+    attention mask (or None), and the routing kept from the forward pass (recomputation)."""
+
+    def __init__(self, stats: RouterStats, mask: Optional[torch.Tensor], coef: Optional[float],
+                 recomputing: bool, kept: list) -> None:
+        self.stats, self.mask, self.coef = stats, mask, coef
+        self.recomputing, self.kept, self.made = recomputing, kept, []
+
+
+class routing_scope:
+    """Context in which a decoder layer runs: its routers (hooked by :func:`hook_routers`) use
+    ``stats`` and keep or reuse their decisions. Outside it the hooks do nothing, so the model
+    itself behaves as before wrapping. ``stats`` None: no sums gathered (no auxiliary loss);
+    ``coef`` None: no auxiliary-loss gradient."""
+
+    def __init__(self, stats: Optional[RouterStats], attention_mask: Optional[torch.Tensor],
+                 coef: Optional[float]) -> None:
+        self.stats, self.coef = stats, coef
+        self.mask = None if attention_mask is None else attention_mask.reshape(-1)
+
+    def __enter__(self):
+        rec = recompute.doing_recompute()
+        kept = list(recompute.get_recompute_data()) if rec else []
+        self.outer = getattr(_local, "routing", None)
+        self.ctx = _LayerRouting(self.stats, self.mask, self.coef, rec, kept)
+        _local.routing = self.ctx
+        return self
+
+    def __exit__(self, *exc):
+        _local.routing = self.outer
+        if exc[0] is None and not self.ctx.recomputing:
+            recompute.save_for_recompute(*self.ctx.made)
+
+
+def router_hook(router: nn.Module, inputs: tuple, output: Any) -> Any:
+    """Forward hook of a router: inside :class:`routing_scope`, keeps the top-k choice of the
+    forward pass and reuses it in the recomputation (with the auxiliary-loss gradient added);
+    elsewhere returns the output unchanged."""
+    ctx: Optional[_LayerRouting] = getattr(_local, "routing", None)
+    if ctx is None:
+        return output
+    logits, weights, indices = output
+    if not ctx.recomputing:
+        ctx.made.append(indices.detach().to("cpu"))
+        if ctx.stats is not None:
+            ctx.stats.add(_router_sums(logits.detach(), indices, ctx.mask, ctx.stats.num_experts))
+        return output
+    indices = ctx.kept.pop(0).to(logits.device)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights = probs.gather(1, indices)
+    if router.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(logits.dtype)
+    if ctx.coef is not None and ctx.stats is not None and torch.is_grad_enabled():
+        # HF's aux loss takes the softmax in the logits' dtype, then sums in fp32
+        p = torch.softmax(logits, dim=-1).float()
+        if ctx.mask is not None:
+            p = p * ctx.mask.to(device=p.device, dtype=p.dtype).unsqueeze(1)
+        term = (p.sum(0) * ctx.stats.grad_scale(logits.device, ctx.coef)).sum()
+        weights = _AddAuxGrad.apply(weights, term)
+    return logits, weights, indices
+
+
+def _router_sums(logits: torch.Tensor, indices: torch.Tensor, mask: Optional[torch.Tensor],
+                 num_experts: int) -> torch.Tensor:
+    """``[A (E), P (E), R (1)]`` of one router on one microbatch, as HF's
+    ``load_balancing_loss_func`` accumulates them (fp32, logits' device)."""
+    p = torch.softmax(logits, dim=-1).float()
+    w = (torch.ones(p.shape[0], dtype=torch.float32, device=p.device) if mask is None
+         else mask.to(device=p.device, dtype=torch.float32))
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=p.device)
+    counts.scatter_add_(0, indices.reshape(-1), w.repeat_interleave(indices.shape[-1]))
+    return torch.cat([counts, (p * w.unsqueeze(1)).sum(0), w.sum().reshape(1)])
+
+
+def find_router_class(model: nn.Module) -> Optional[type]:
+    """The module class whose output 0 HF records as ``router_logits`` (from the model's
+    ``_can_record_outputs``), or None for a dense model."""
+    for cls in type(model).__mro__:
+        spec = cls.__dict__.get("_can_record_outputs")
+        if spec and "router_logits" in spec:
+            rec = spec["router_logits"]
+            target = getattr(rec, "target_class", rec)
+            return target if isinstance(target, type) else None
+    return None
+
+
+def find_routers(layer: nn.Module, router_cls: type) -> list:
+    """The routers of a decoder layer (their forward hook is :func:`router_hook`).
+
+    Raises:
+        TypeError: a router without the ``top_k`` / ``norm_topk_prob`` attributes of the
+            supported (Qwen3-MoE style) routers.
+    """
+    found = []
+    for name, m in layer.named_modules():
+        if isinstance(m, router_cls):
+            if not (hasattr(m, "top_k") and hasattr(m, "norm_topk_prob")):
+                raise TypeError(f"wrap_model_to_roundpipe: the MoE router {name!r} "
+                                f"({type(m).__name__}) is not a top-k softmax router with "
+                                "top_k and norm_topk_prob (Qwen3-MoE style); not supported")
+            found.append(m)
+    return found

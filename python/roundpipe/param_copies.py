@@ -1,0 +1,235 @@
+"""The host copies of a model's parameters, and the maps between parameters, layers and stages.
+
+Every parameter that requires grad when the model is wrapped has two host copies: the
+*model copy* (the module's own parameter, in the model's dtype: what the devices compute
+with) and the *optimizer copy* (a separate ``nn.Parameter`` in ``optim_dtype``: what optimizers
+step). :class:`ParamCopies` owns the optimizer copies, the gradients accumulated for them
+between steps, and keeping the two copies consistent (write-back after a step, picking up a
+model copy changed behind the wrapper's back, the set of model copies an asynchronous step
+left behind).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from .host_buffers import HostBuffers, host_empty
+from .plan import Stage
+from .transfer import TensorRef
+
+
+class ParamCopies:
+    """Args:
+        module: the module whose names the wrapper presents.
+        layers: the pipeline's layers (their parameters and buffers belong to ``module``).
+        stages: the stages over ``layers``.
+        optim_dtype: dtype of the optimizer copies (None: each parameter's own).
+
+    Raises:
+        ValueError: a trainable parameter is not floating point.
+    """
+
+    def __init__(self, module: nn.Module, layers: list[nn.Module], stages: list[Stage],
+                 optim_dtype: Optional[torch.dtype]) -> None:
+        self.module, self.layers, self.stages = module, layers, stages
+        self.names: list[str] = []
+        self.model: list[nn.Parameter] = []
+        self.optim: list[nn.Parameter] = []
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if not p.dtype.is_floating_point:
+                raise ValueError(f"RoundPipe: trainable parameter {name!r} has dtype {p.dtype}")
+            self.names.append(name)
+            self.model.append(p)
+            copy = host_empty(p.shape, optim_dtype or p.dtype).copy_(p.detach())
+            self.optim.append(nn.Parameter(copy))
+        self.lock = threading.Lock()
+        self.pool = HostBuffers()
+        self.stale: set[int] = set()  # model copies behind their optimizer copies (async step)
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """(Re)builds every map from the parameter objects (after unpickling too)."""
+        self.index = {id(p): i for i, p in enumerate(self.model)}
+        self.known = {id(p) for p in self.module.parameters()} | set(self.index)
+        self.grads: list[Optional[torch.Tensor]] = [None] * len(self.model)
+        self.synced = [self.version(p) for p in self.model]
+        self.layer_params: list[list[int]] = []
+        for layer in self.layers:
+            ids: list[int] = []
+            for p in layer.parameters():
+                i = self.index.get(id(p))
+                if i is not None and i not in ids:
+                    ids.append(i)
+            self.layer_params.append(ids)
+        self.param_layers: list[list[int]] = [[] for _ in self.model]
+        for li, ids in enumerate(self.layer_params):
+            for i in ids:
+                self.param_layers[i].append(li)
+        stages_of: dict[int, set[int]] = {}
+        for st in self.stages:
+            for li in st.layers:
+                for i in self.layer_params[li]:
+                    stages_of.setdefault(i, set()).add(st.index)
+        self.final_params: list[list[int]] = [[] for _ in self.stages]
+        for i in range(len(self.model)):
+            if i in stages_of:
+                self.final_params[min(stages_of[i])].append(i)
+
+    _DERIVED = ("lock", "pool", "index", "known", "grads", "synced", "layer_params", "param_layers",
+                "final_params")
+
+    def __getstate__(self) -> dict:
+        """Pickling keeps the copies and the set of stale model copies; the maps (over object
+        identities), the lock and the gradients are rebuilt or dropped."""
+        return {k: v for k, v in self.__dict__.items() if k not in self._DERIVED}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
+        self.pool = HostBuffers()
+        self.rebuild()
+
+    @staticmethod
+    def version(p: torch.Tensor) -> tuple[int, int]:
+        return (p.data_ptr(), p._version)
+
+    def __len__(self) -> int:
+        return len(self.model)
+
+    def layers_of(self, indices: Iterable[int]) -> list[int]:
+        """The layers holding any of the parameters ``indices``, in order."""
+        return sorted({li for i in indices for li in self.param_layers[i]})
+
+    # --- what the layers compute with ------------------------------------------------------------
+
+    def refs(self) -> list[list[TensorRef]]:
+        """Per layer, the tensors it computes with now (its parameters, then its buffers,
+        each once, under the layer's own name, as ``named_parameters`` / ``named_buffers``
+        give them), taken on the calling thread at the start of a call
+        so that workers never read module attributes (which ``functional_call`` swaps while
+        a layer runs).
+
+        Raises:
+            RuntimeError: a parameter that requires grad has no optimizer copy: it was frozen
+                when the model was wrapped, or it replaced a wrapped parameter.
+        """
+        out = []
+        for li, layer in enumerate(self.layers):
+            refs = []
+            for name, p in layer.named_parameters():
+                i = self.index.get(id(p))
+                if i is None and p.requires_grad:
+                    if id(p) in self.known:
+                        raise RuntimeError(
+                            f"RoundPipe: parameter {name!r} of layer {li} requires grad but was "
+                            "frozen when the model was wrapped, so it has no optimizer copy; set "
+                            "requires_grad before wrapping (parameters frozen after wrapping are "
+                            "simply not trained)")
+                    raise RuntimeError(
+                        f"RoundPipe: parameter {name!r} of layer {li} was replaced after the "
+                        "model was wrapped (a new nn.Parameter was assigned), so it has no "
+                        "optimizer copy and would not be trained; change weights in place "
+                        "(under torch.no_grad()) or with load_state_dict, or wrap the model "
+                        "again")
+                refs.append(TensorRef(name, p, i, False))
+            seen: set[int] = set()
+            for prefix, module in layer.named_modules():
+                for bname, b in module._buffers.items():
+                    if b is not None and id(b) not in seen:
+                        seen.add(id(b))
+                        refs.append(TensorRef(f"{prefix}.{bname}" if prefix else bname, b, None,
+                                              True, id(module)))
+            out.append(refs)
+        return out
+
+    # --- keeping the copies consistent ---------------------------------------------------------------
+
+    def refresh_from_model(self) -> None:
+        """A model copy changed behind the wrapper's back (e.g. ``load_state_dict`` on the
+        wrapped model after wrapping): its optimizer copy takes its value, so the next step
+        trains what was loaded. Only called while no optimizer work is pending."""
+        with torch.no_grad():
+            for i, p in enumerate(self.model):
+                if self.version(p) != self.synced[i]:
+                    self.optim[i].copy_(p)
+                    self.synced[i] = self.version(p)
+
+    def write_back(self, i: int) -> None:
+        """Model copy ``i`` takes its optimizer copy's value, rounded to the model dtype."""
+        with torch.no_grad():
+            self.model[i].copy_(self.optim[i])
+        self.synced[i] = self.version(self.model[i])
+
+    def mark_synced(self, i: int) -> None:
+        """Model copy ``i`` was just written from its optimizer copy (by a fused step)."""
+        self.synced[i] = self.version(self.model[i])
+
+    def write_back_stale(self) -> None:
+        """Every model copy an asynchronous step left behind takes its optimizer copy's value."""
+        with self.lock:
+            todo, self.stale = sorted(self.stale), set()
+        for i in todo:
+            self.write_back(i)
+
+    # --- gradients -----------------------------------------------------------------------------------
+
+    def accumulate(self, i: int, g: torch.Tensor, owned: bool) -> None:
+        """Adds gradient ``g`` (fp32 or the model dtype, on the host) into parameter ``i``'s
+        accumulated gradient (optimizer dtype, a buffer of :attr:`pool`): the first one since
+        the last step is taken without a copy when ``owned`` and already of that dtype, later
+        ones are added in one pass (an owned ``g`` then goes back to the pool)."""
+        dtype = self.optim[i].dtype
+        if self.grads[i] is None:
+            if owned and g.dtype == dtype:
+                self.grads[i] = g
+            else:
+                self.grads[i] = self.pool.take(g.shape, dtype).copy_(g)
+        else:
+            self.grads[i].add_(g)
+            if owned:
+                self.pool.give(g)
+
+    def take_grads(self) -> list[Optional[torch.Tensor]]:
+        """The accumulated gradients (the copies start over without any)."""
+        grads, self.grads = self.grads, [None] * len(self.model)
+        return grads
+
+    def clear_grads(self) -> None:
+        """Discards the accumulated gradients (their buffers go back to the pool)."""
+        grads = self.take_grads()
+        for g in grads:
+            if g is not None:
+                self.pool.give(g)
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+
+    def state_dict(self, sd: dict, prefix: str, keep_vars: bool) -> dict:
+        """``sd`` (the module's state dict) with every name of a trainable parameter (tied ones
+        included) holding its optimizer copy."""
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            i = self.index.get(id(p))
+            if i is not None:
+                o = self.optim[i]
+                sd[prefix + name] = o if keep_vars else o.detach()
+        return sd
+
+    def load(self, state_dict: dict) -> None:
+        """After the module loaded ``state_dict``: each optimizer copy takes its value at full
+        precision. A parameter loaded under several names (tied weights) takes the value of
+        the name the module loaded last, as the model copy did."""
+        last: dict[int, str] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            i = self.index.get(id(p))
+            if i is not None and name in state_dict:
+                last[i] = name
+        with torch.no_grad():
+            for i, name in last.items():
+                self.optim[i].copy_(state_dict[name])
+        for i, p in enumerate(self.model):
+            self.synced[i] = self.version(p)

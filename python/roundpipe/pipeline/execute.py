@@ -1,0 +1,85 @@
+"""Execute: running a stage's layers on one microbatch with the stage's device tensors.
+
+Every layer runs under a seed fixed by (call seed, layer, microbatch) — see :func:`layer_seed` —
+in a forked RNG, so its randomness (dropout) is the same in the forward pass and in the
+recomputation of the backward pass, and does not depend on how layers are grouped into stages,
+on the order stages run in, or on how many devices there are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from .. import recompute
+
+_SEED_MOD = 2**63
+
+# torch's CPU generator (and each CUDA device's) is process-wide: workers fork, seed and
+# restore it one layer at a time, so each layer draws from its own seed and the caller's
+# generator is left as it was. Re-entrant: a layer may run another RoundPipe (a teacher),
+# whose pass then runs on the same thread (see :func:`in_layer`).
+RNG_LOCK = threading.RLock()
+_local = threading.local()
+
+
+def layer_seed(call_seed: int, layer: int, microbatch: int) -> int:
+    """The seed layer ``layer`` runs under for microbatch ``microbatch`` in a ``forward`` or
+    ``forward_backward`` call whose seed is ``call_seed`` (one ``torch.randint(2**62, ())``
+    drawn from the global generator at the start of the call): ``call_seed + layer * 2**20 +
+    microbatch``, modulo 2**63."""
+    return (call_seed + (layer << 20) + microbatch) % _SEED_MOD
+
+
+def draw_call_seed() -> int:
+    """One draw from torch's global generator: the seed of a forward/forward_backward call."""
+    return int(torch.randint(2**62, ()).item())
+
+
+def in_layer() -> bool:
+    """Whether the calling thread is running a layer of some RoundPipe right now."""
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _layer_scope():
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def run_layers(layers: list[nn.Module], first_layer: int, tensors: list[dict[str, torch.Tensor]],
+               stage_input: Any, microbatch: int, call_seed: int, device: torch.device,
+               store: dict, recomputing: bool, locks: Optional[list] = None) -> Any:
+    """Runs ``layers`` (global indices from ``first_layer``) on ``stage_input`` with the
+    device tensors ``tensors[i]`` of layer ``i``. Layer 0 receives the user's inputs as
+    ``(args, kwargs)``; every other layer receives the previous layer's output as its single
+    argument, as ``nn.Sequential``. ``locks[i]`` (optional) is held while layer ``i`` runs:
+    a module that appears in stages on different devices must not run on two threads at
+    once (``functional_call`` swaps its tensors while it runs)."""
+    x = stage_input
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    for offset, (layer, w) in enumerate(zip(layers, tensors)):
+        index = first_layer + offset
+        lock = locks[offset] if locks is not None and locks[offset] is not None \
+            else contextlib.nullcontext()
+        with lock, RNG_LOCK, torch.random.fork_rng(devices=cuda), _layer_scope(), \
+                recompute.running(store, (index, microbatch), recomputing):
+            seed = layer_seed(call_seed, index, microbatch)
+            torch.default_generator.manual_seed(seed)
+            if cuda:
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(seed)
+            if index == 0:
+                args, kwargs = x
+                x = functional_call(layer, w, tuple(args), dict(kwargs))
+            else:
+                x = functional_call(layer, w, (x,))
+    return x

@@ -1,0 +1,240 @@
+"""The executor of one pass: each device follows its order of visits (:mod:`.schedule`),
+calling the stage (:mod:`.stage`) one microbatch at a time and handing results between
+stages through :class:`~roundpipe.pipeline.threads.Slot` s on the host.
+
+Slots: ``acts[s][m]`` is what stage ``s`` receives for microbatch ``m`` (a host tree and the
+event of its copy), ``grads[s][m]`` the gradient of that input (a host list aligned with the
+input's leaves, and event). A backward visit hands its downloaded parameter gradients to the
+``grad_sink`` (the optimizer side) only after the next stage has handed over its own, so the
+sink sees the stages in descending order whatever the number of devices: a parameter used
+in several stages (tied weights) gets its per-stage sums added in the same order every time,
+and results are bit-identical for any number of devices.
+
+A pass runs either on the devices' worker threads (several devices) or on the calling thread
+in the global order (one device, or a pass started from inside a layer of another RoundPipe,
+e.g. a teacher model: its workers could not run while the caller holds the RNG lock).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..plan import Stage
+from ..stats import Stats
+from ..transfer import DeviceIO, GradDownload, TensorRef
+from .fetch import WeightFetcher
+from .schedule import Visit, device_orders, pass_order
+from .stage import PassSpec, StageVisit
+from .threads import LayerGates, Slot, Worker, run_all
+
+
+@dataclass
+class Layout:
+    """What the pipeline needs to know about the model for one call.
+
+    Attributes:
+        layers: the layer modules, in order.
+        refs: per layer, the tensors it computes with (taken at the start of the call).
+        stages: the stages.
+        trainable_stages: per stage, whether it holds a trainable parameter.
+        locks: per layer, a lock for modules that run in several stages (or None).
+        buffer_deps: per stage, earlier stages sharing a module with buffers with it.
+        stage_bytes: per stage, device bytes of its weights and buffers.
+        max_resident_bytes: prefetch cap (None: none).
+    """
+
+    layers: list[nn.Module]
+    refs: list[list[TensorRef]]
+    stages: list[Stage]
+    trainable_stages: list[bool]
+    locks: list[Optional[threading.Lock]]
+    buffer_deps: list[list[int]]
+    stage_bytes: list[int]
+    max_resident_bytes: Optional[int]
+
+    @property
+    def first_backward(self) -> int:
+        """The lowest stage with a trainable parameter (the last stage when there is none)."""
+        return next((s for s, t in enumerate(self.trainable_stages) if t), len(self.stages) - 1)
+
+    def input_grad(self, stage: int) -> bool:
+        """Whether the stage's floating inputs need a gradient: an earlier stage trains."""
+        return any(self.trainable_stages[:stage])
+
+
+GradSink = Callable[[int, Optional[GradDownload], DeviceIO], None]
+
+
+class Pass:
+    """One ``forward`` or ``forward_backward`` call over the stages (see the module docstring).
+
+    Args:
+        spec: the call.
+        layout: the model's layers and stages.
+        ios: one :class:`DeviceIO` per device.
+        gates: the optimizer side's layer gates (uploads wait for them).
+        stats: where bytes, floors and seconds are counted.
+        grad_sink: ``grad_sink(stage, download, io)`` receives each backward visit's
+            downloaded gradients (or None), in descending stage order.
+    """
+
+    def __init__(self, spec: PassSpec, layout: Layout, ios: list[DeviceIO], gates: LayerGates,
+                 stats: Stats, grad_sink: Optional[GradSink] = None) -> None:
+        self.spec, self.layout, self.ios, self.gates, self.stats = spec, layout, ios, gates, stats
+        self.grad_sink = grad_sink
+        S, M = len(layout.stages), len(spec.microbatches)
+        self.order = pass_order(S, spec.training, layout.first_backward)
+        self.acts = [[Slot() for _ in range(M)] for _ in range(S + 1)]
+        for m, (args, kwargs, _) in enumerate(spec.microbatches):
+            self.acts[0][m].set(((args, kwargs), None))
+        self.grads = [[Slot() for _ in range(M)] for _ in range(S + 1)]
+        self.forward_done = [Slot() for _ in range(S)]
+        self.handed_over = [Slot() for _ in range(S)]
+        self.losses: list = [None] * M
+        self.outputs: list = [None] * M
+        self._count_floors()
+
+    def _count_floors(self) -> None:
+        """The byte floors of this pass (see :mod:`roundpipe.stats`)."""
+        M = len(self.spec.microbatches)
+        weight = grad = 0
+        for v in self.order:
+            seen = set()
+            for li in self.layout.stages[v.stage].layers:
+                for ref in self.layout.refs[li]:
+                    if ref.is_buffer or id(ref.host) in seen:
+                        continue
+                    seen.add(id(ref.host))
+                    size = ref.host.numel() * ref.host.element_size()
+                    weight += size
+                    if v.backward and ref.index is not None and ref.host.requires_grad:
+                        grad += ref.host.numel() * min(M * ref.host.element_size(), 4)
+        self.stats.add("weight_floor_bytes", weight)
+        self.stats.add("param_grad_floor_bytes", grad)
+
+    # --- running -------------------------------------------------------------------------------
+
+    def run(self, workers: Optional[list[Worker]]) -> None:
+        """Runs the pass: on ``workers`` (one per device) or, with None, on this thread."""
+        D = len(self.ios)
+        orders = device_orders(self.order, D)
+        used = [d for d in range(D) if orders[d]]
+        abort = threading.Event()
+        runners = {d: _DeviceRun(self, d, orders[d], abort) for d in used}
+        try:
+            if workers is None:
+                for v in self.order:
+                    runners[v.stage % D].run_next()
+            else:
+                run_all([workers[d] for d in used],
+                        [functools.partial(_run_device, runners[d]) for d in used], abort)
+        finally:
+            abort.set()
+            for d in used:
+                self.ios[d].finish()
+
+    def stage_input_done(self, s: int) -> bool:
+        """Whether nothing reads stage ``s``'s inputs after its forward visit."""
+        return not self.spec.training or s < self.layout.first_backward
+
+
+def _run_device(runner: "_DeviceRun", abort: threading.Event) -> None:
+    with runner.pass_.ios[runner.d].activate():
+        while runner.k < len(runner.visits):
+            runner.run_next(activate=False)
+
+
+class _DeviceRun:
+    """One device's visits in a pass, run one at a time."""
+
+    def __init__(self, pass_: Pass, d: int, visits: list[Visit], abort: threading.Event) -> None:
+        self.pass_, self.d, self.visits, self.abort, self.k = pass_, d, visits, abort, 0
+        layout = pass_.layout
+        self.fetcher = WeightFetcher(
+            pass_.ios[d], visits,
+            lambda s: [layout.refs[li] for li in layout.stages[s].layers],
+            lambda s: layout.stages[s].layers, pass_.gates,
+            [[pass_.forward_done[e] for e in layout.buffer_deps[s]] for s in range(len(layout.stages))],
+            layout.stage_bytes, layout.max_resident_bytes, pass_.stats)
+
+    def run_next(self, activate: bool = True) -> None:
+        io = self.pass_.ios[self.d]
+        with io.activate() if activate else _null:
+            k, self.k = self.k, self.k + 1
+            v = self.visits[k]
+            io.begin_visit()
+            weights = self.fetcher.get(k, self.abort)
+            layout, p = self.pass_.layout, self.pass_
+            stage = layout.stages[v.stage]
+            visit = StageVisit(p.spec, stage, [layout.layers[li] for li in stage.layers], weights,
+                               io, layout.input_grad(v.stage),
+                               [layout.locks[li] for li in stage.layers],
+                               v.stage == len(layout.stages) - 1)
+            weights = None  # noqa: F841 - the visit holds them; they die with it
+            if v.backward:
+                self._backward(k, v.stage, visit)
+            else:
+                self._forward(k, v.stage, visit)
+
+    def _forward(self, k: int, s: int, visit: StageVisit) -> None:
+        p, abort = self.pass_, self.abort
+        last = s == len(p.layout.stages) - 1
+        for m in range(len(p.spec.microbatches)):
+            tree, event = p.acts[s][m].get(abort)
+            if p.stage_input_done(s):
+                p.acts[s][m].clear_value()
+            p.acts[s + 1][m].set(visit.forward_one_chunk(m, tree, event,
+                                                         "output" if last else "activation"))
+            tree = None
+            self.fetcher.maybe_prefetch(k)
+        visit.finish(False, abort)
+        p.forward_done[s].set(True)
+
+    def _backward(self, k: int, s: int, visit: StageVisit) -> None:
+        p, abort = self.pass_, self.abort
+        last = s == len(p.layout.stages) - 1
+        visit.begin_backward()
+        for m in range(len(p.spec.microbatches)):
+            tree, event = p.acts[s][m].get(abort)
+            grad_output = None if last else p.grads[s + 1][m].get(abort)
+            out = visit.backward_one_chunk(m, tree, event, grad_output)
+            p.acts[s][m].clear_value()
+            if not last:
+                p.grads[s + 1][m].clear_value()
+            tree = grad_output = None
+            if "input_grad" in out:
+                p.grads[s][m].set(out["input_grad"])
+            if "loss" in out:
+                p.losses[m] = out["loss"]
+            if "output" in out:
+                p.outputs[m] = out["output"]
+            out = None
+            self.fetcher.maybe_prefetch(k)
+        download = visit.finish(True, abort)
+        try:
+            if not last:
+                p.handed_over[s + 1].get(abort)
+            if p.grad_sink is not None:
+                p.grad_sink(s, download, p.ios[self.d])
+                download = None
+        finally:
+            if download is not None:
+                download.release()
+        p.handed_over[s].set(True)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_null = _Null()

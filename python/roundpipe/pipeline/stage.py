@@ -1,0 +1,217 @@
+"""The stage: one visit of a stage on its device, run one microbatch (*chunk*) at a time by
+the schedule's executor (:mod:`roundpipe.pipeline.run`), as ``torch.distributed.pipelining``'s
+``forward_one_chunk`` / ``backward_one_chunk``.
+
+- forward visit (:meth:`StageVisit.forward_one_chunk`): the stage's layers on a copy of the
+  microbatch's stage input, without autograd; the output goes to the host;
+- backward visit (:meth:`StageVisit.backward_one_chunk`): the layers recomputed with autograd
+  on a copy of the same input, then the backward from the next stage's input gradient (for
+  the last stage: its only forward, the loss of the microbatch and the backward from it);
+  parameter gradients are summed on the device over the visit's microbatches and downloaded
+  once by :meth:`StageVisit.finish`; the gradient of the stage input goes to the host.
+
+Stage inputs that need a gradient (floating tensors, when an earlier stage has trainable
+parameters) become leaves that collect it; the layers see a non-leaf alias of each (no copy),
+so a layer may modify its input in place as it could in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..plan import Stage
+from ..transfer import DeviceIO, GradDownload, StageWeights
+from .execute import run_layers
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The caller's ``torch.autocast`` state, entered around every layer forward and loss on
+    the worker threads (autocast is thread local)."""
+
+    cpu: tuple[bool, torch.dtype]
+    cuda: Optional[tuple[bool, torch.dtype]]
+    cache: bool
+
+    @staticmethod
+    def capture() -> "AutocastState":
+        cpu = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        cuda = None
+        if torch.is_autocast_enabled("cuda"):
+            cuda = (True, torch.get_autocast_dtype("cuda"))
+        return AutocastState(cpu, cuda, torch.is_autocast_cache_enabled())
+
+    def enter(self, device_type: str):
+        state = self.cuda if device_type == "cuda" else self.cpu
+        if state is None or not state[0]:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=state[1], cache_enabled=self.cache)
+
+
+@dataclass
+class PassSpec:
+    """What one call asks of the pipeline.
+
+    Attributes:
+        microbatches: ``(args, kwargs, label)`` per microbatch, on the host.
+        training: a ``forward_backward`` call (else ``forward``).
+        loss_fn: ``loss_fn(output, label)`` (``loss_fn(output)`` without labels).
+        has_label: whether a label was given.
+        return_outputs: keep the last stage's outputs (training).
+        call_seed: the call's seed (see :func:`roundpipe.layer_seed`).
+        autocast: the caller's autocast state.
+        store: data layers keep for their recomputation (see :mod:`roundpipe.recompute`).
+    """
+
+    microbatches: list
+    training: bool
+    loss_fn: Optional[Callable[..., torch.Tensor]] = None
+    has_label: bool = False
+    return_outputs: bool = False
+    call_seed: int = 0
+    autocast: AutocastState = field(default_factory=AutocastState.capture)
+    store: dict = field(default_factory=dict)
+
+
+class _StageInput(torch.autograd.Function):
+    """Identity from a leaf to a non-leaf sharing its memory (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _leaves(tree: Any) -> list:
+    return tree_flatten(tree)[0]
+
+
+class StageVisit:
+    """One stage's visit on its device, with its weights uploaded (see the module docstring).
+
+    Args:
+        spec: the call.
+        stage: the stage.
+        layers: its modules, in order.
+        weights: its tensors on the device.
+        io: the device's I/O.
+        input_grad: whether its floating inputs need a gradient.
+        locks: per layer of the stage, a lock held while it runs (or None).
+        is_last: the model's last stage.
+    """
+
+    def __init__(self, spec: PassSpec, stage: Stage, layers: list[nn.Module],
+                 weights: StageWeights, io: DeviceIO, input_grad: bool,
+                 locks: list, is_last: bool) -> None:
+        self.spec, self.stage, self.layers, self.weights, self.io = spec, stage, layers, weights, io
+        self.input_grad, self.locks, self.is_last = input_grad, locks, is_last
+
+    def begin_backward(self) -> None:
+        """Before the first microbatch of a backward visit: gradients are summed on the
+        device over the call's microbatches."""
+        self.io.sum_grads_over(self.weights, len(self.spec.microbatches))
+
+    def _run(self, x: Any, m: int, recomputing: bool) -> Any:
+        with self.spec.autocast.enter(self.stage.device.type):
+            return run_layers(self.layers, self.stage.start, self.weights.layers, x, m,
+                              self.spec.call_seed, self.stage.device, self.spec.store,
+                              recomputing, self.locks)
+
+    def forward_one_chunk(self, m: int, host_input: Any, event: Any, kind: str) -> tuple[Any, Any]:
+        """The stage on microbatch ``m`` without autograd; returns its output on the host
+        (counted as ``kind``) and the event of the copy."""
+        x = self.io.to_device(host_input, event, "activation")
+        self.io.throttle()
+        with torch.no_grad():
+            y = self._run(x, m, recomputing=False)
+        x = None  # noqa: F841 - the input copy may be freed before the output is copied
+        return self.io.to_host(y, kind)
+
+    def backward_one_chunk(self, m: int, host_input: Any, event: Any,
+                           grad_output: Optional[tuple] = None) -> dict:
+        """Recomputes the stage on microbatch ``m`` with autograd and runs its backward:
+        from ``grad_output`` (the next stage's input gradient: a host list aligned with the
+        output's leaves, and its event), or, for the last stage, from the microbatch's loss.
+        Parameter gradients are added into the stage's sums on the device.
+
+        Returns a dict with ``input_grad`` (host list aligned with the input's leaves, and
+        event; only when :attr:`input_grad`), and for the last stage ``loss`` (0-dim float64
+        on the host, and event) and, with ``return_outputs``, ``output``.
+
+        Raises:
+            TypeError: ``loss_fn`` does not return a 1-element tensor.
+            RuntimeError: the loss does not require grad (nothing would be trained).
+        """
+        io, spec = self.io, self.spec
+        x = io.to_device(host_input, event, "activation")
+        io.throttle()
+        leaves, spec_tree = tree_flatten(x)
+        grad_leaves = []
+        if self.input_grad:
+            for k, t in enumerate(leaves):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    t.requires_grad_(True)
+                    grad_leaves.append((k, t))
+                    leaves[k] = _StageInput.apply(t)
+            x = tree_unflatten(leaves, spec_tree)
+        out: dict = {}
+        with torch.enable_grad():
+            y = self._run(x, m, recomputing=not self.is_last)
+            x = leaves = None
+            if self.is_last:
+                mb = spec.microbatches[m]
+                with spec.autocast.enter(self.stage.device.type):
+                    if spec.has_label:
+                        label = io.to_device(mb[2], None, "label")
+                        loss = spec.loss_fn(y, label)
+                    else:
+                        loss = spec.loss_fn(y)
+                if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                    raise TypeError("RoundPipe.forward_backward: loss_fn must return a "
+                                    f"1-element tensor, got {type(loss).__name__}")
+                if not loss.requires_grad:
+                    raise RuntimeError(
+                        "RoundPipe.forward_backward: the loss does not require grad (it was "
+                        "detached or computed under no_grad, or nothing in the model is "
+                        "trainable), so backward would train nothing; loss.backward() raises "
+                        "the same way")
+                out["loss"] = io.to_host(loss.detach().reshape(()).double(), "output")
+                if spec.return_outputs:
+                    out["output"] = io.to_host(y, "output")
+                y = None
+                loss.backward()
+            else:
+                g_host, g_event = grad_output
+                pairs = [(t, g) for t, g in zip(_leaves(y), g_host)
+                         if isinstance(t, torch.Tensor) and t.requires_grad and g is not None]
+                y = None
+                if pairs:
+                    grads = io.to_device([g for _, g in pairs], g_event, "input_grad")
+                    torch.autograd.backward([t for t, _ in pairs], grads)
+                pairs = grads = None  # noqa: F841
+        if self.input_grad:
+            grads = [None] * spec_tree.num_leaves
+            for k, t in grad_leaves:
+                grads[k] = t.grad
+            out["input_grad"] = io.to_host(grads, "input_grad")
+        return out
+
+    def finish(self, backward: bool, abort) -> Optional[GradDownload]:
+        """After the visit's last microbatch. A visit that ran the stage's forward for real
+        (a forward visit, or the last stage's backward visit) copies back the buffers a layer
+        changed; a backward visit downloads the stage's gradient sums once (None if nothing
+        got a gradient), waiting while too many earlier downloads are not consumed."""
+        if not backward or self.is_last:
+            self.io.write_back_buffers(self.weights)
+        if backward:
+            return self.io.download_grads(self.weights, abort)
+        return None

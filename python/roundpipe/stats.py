@@ -1,0 +1,64 @@
+"""What ``RoundPipe.pipeline_stats()`` reports: seconds, bytes moved by kind and direction, and
+the byte floors of the work that was run. Counted identically on every device type (on the
+CPU device, its copies count as if they crossed PCIe).
+
+Keys (all floats, accumulated since construction or the last reset):
+
+- ``wall_s``: time in ``forward`` / ``forward_backward`` passes; ``device_s``: the same times the
+  number of devices the pass used;
+- ``weights_wait_s``: compute waiting for weight uploads (CPU: the copies themselves; CUDA:
+  measured on the device with events, folded in when they complete);
+- ``optimizer_wait_s``: passes waiting for layers still being written by the optimizer side;
+- ``optimizer_s``: time in fused optimizer steps; ``upload_s``: weight uploads (CUDA: timed on
+  the upload stream);
+- ``h2d_<kind>_bytes`` / ``d2h_<kind>_bytes`` for ``kind`` in :data:`KINDS`: bytes moved host
+  to device and device to host;
+- ``weight_floor_bytes``: the weights every visit of a stage must upload (each unique
+  parameter of the stage once per forward visit and once per backward visit);
+- ``param_grad_floor_bytes``: parameter gradients down, once per backward visit:
+  ``P_stage * min(M * itemsize, 4)`` per stage (the model-dtype gradient for one microbatch,
+  else the fp32 sum over ``M`` microbatches);
+- ``pinned_bytes``: page-locked host memory held now (CUDA; not reset).
+"""
+
+from __future__ import annotations
+
+import threading
+
+KINDS = ("weight", "activation", "input_grad", "param_grad", "buffer", "label", "output")
+TIME_KEYS = ("wall_s", "device_s", "weights_wait_s", "optimizer_wait_s", "optimizer_s", "upload_s")
+BYTE_KEYS = (tuple(f"h2d_{k}_bytes" for k in KINDS) + tuple(f"d2h_{k}_bytes" for k in KINDS)
+             + ("weight_floor_bytes", "param_grad_floor_bytes"))
+GAUGES = ("pinned_bytes",)
+KEYS = TIME_KEYS + BYTE_KEYS + GAUGES
+
+
+class Stats:
+    """Thread-safe accumulators for :data:`KEYS`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(KEYS, 0.0)
+
+    def add(self, key: str, value: float) -> None:
+        """Adds ``value`` to ``key`` (a KeyError for an unknown key: a typo must not vanish)."""
+        if value:
+            with self._lock:
+                self._values[key] += value
+
+    def moved(self, direction: str, kind: str, nbytes: int) -> None:
+        """Counts ``nbytes`` moved ``"h2d"`` or ``"d2h"`` as ``kind``."""
+        self.add(f"{direction}_{kind}_bytes", nbytes)
+
+    def set(self, key: str, value: float) -> None:
+        with self._lock:
+            self._values[key] = float(value)
+
+    def snapshot(self, reset: bool = False) -> dict[str, float]:
+        """The values; with ``reset``, every accumulator (not the gauges) restarts at 0."""
+        with self._lock:
+            out = dict(self._values)
+            if reset:
+                for k in TIME_KEYS + BYTE_KEYS:
+                    self._values[k] = 0.0
+        return out

@@ -1,0 +1,8 @@
+"""Moving tensors between the host and compute devices: the interface and what every device
+type shares (:mod:`.base`), the CPU device (:mod:`.cpu`) and CUDA devices (:mod:`.cuda`,
+imported only when a CUDA device is used)."""
+
+from .base import DeviceIO, GradDownload, StageWeights, TensorRef
+from .cpu import CpuIO
+
+__all__ = ["CpuIO", "DeviceIO", "GradDownload", "StageWeights", "TensorRef"]

@@ -1,0 +1,285 @@
+"""The device I/O interface: how a worker moves a stage's weights, activations and gradients
+between the host and its compute device, and counts every byte it moves.
+
+:class:`DeviceIO` holds what every device type shares (deduplicating a stage's tensors,
+marking the trainable ones, summing a stage's parameter gradients over microbatches on the
+device, copying back only the buffers a layer changed, counting bytes by kind); the device
+types supply the copies themselves: :class:`roundpipe.transfer.cpu.CpuIO` (synchronous,
+the CPU as compute device) and :class:`roundpipe.transfer.cuda.CudaIO` (streams, events,
+pinned staging). One instance per device, used by that device's worker only (and by the
+optimizer side for :meth:`DeviceIO.host_wait` and the release of gradient downloads).
+
+Gradient data path: parameter gradients stay on the device for the whole stage visit — for
+one microbatch the model-dtype gradient itself, for several an fp32 sum added in microbatch
+order (fp32 parameters: autograd's own in-place accumulation, which adds in the same order;
+other dtypes: added by a hook as soon as autograd has produced each gradient, which is then
+freed) — and are downloaded once, after the visit's last microbatch
+(``P_stage * min(M * itemsize, 4)`` bytes). At most :attr:`DeviceIO.grad_downloads_in_flight`
+stage downloads per device wait for the optimizer side to consume them; the next one waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..pipeline.threads import Permits
+from ..stats import Stats
+
+
+class TensorRef(NamedTuple):
+    """One tensor a layer computes with, as the layer names it (``functional_call`` key)."""
+
+    name: str
+    host: torch.Tensor          # the host model copy's parameter or buffer
+    index: Optional[int]        # optimizer-copy index of a trainable parameter, else None
+    is_buffer: bool
+    owner: int = 0              # a buffer's module (id): its buffers are written back together
+
+
+@dataclass
+class StageWeights:
+    """A stage's tensors on its device.
+
+    Attributes:
+        layers: per layer of the stage, ``name -> device tensor`` (what ``functional_call``
+            takes); a host tensor used by several layers of the stage is one device tensor.
+        trainable: ``(optimizer-copy index, device tensor requiring grad)``, each index once.
+        buffers: ``(host buffer, device buffer, device version right after the upload, id of
+            the module holding it)``.
+        grad_sums: fp32 sums over microbatches of non-fp32 parameters' gradients, by index.
+        nbytes: device bytes of the weights and buffers.
+    """
+
+    layers: list[dict[str, torch.Tensor]]
+    trainable: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    buffers: list[tuple[torch.Tensor, torch.Tensor, int, int]] = field(default_factory=list)
+    grad_sums: dict[int, torch.Tensor] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+class GradDownload(NamedTuple):
+    """A stage visit's parameter gradients on the host.
+
+    Attributes:
+        items: ``(optimizer-copy index, host gradient)``; fp32, or the model dtype when the
+            call had one microbatch.
+        event: ready once the copies are done (``None``: already done); wait for it with the
+            device's ``host_wait``.
+        owned: the host tensors are fresh and may be kept (else they are staging memory and
+            must be copied before :attr:`release`).
+        release: call once the gradients were consumed (frees the staging / permit).
+    """
+
+    items: list[tuple[int, torch.Tensor]]
+    event: Any
+    owned: bool
+    release: Callable[[], None]
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class DeviceIO:
+    """Moves tensors between the host and one compute device and counts the bytes (see the
+    module docstring). Subclasses implement the ``_copy_*`` primitives and the event methods.
+
+    Args:
+        device: the compute device.
+        stats: where bytes and seconds are counted.
+    """
+
+    prefetch = False
+    grad_downloads_in_flight = 1
+
+    def __init__(self, device: torch.device, stats: Stats) -> None:
+        self.device = device
+        self.stats = stats
+        self._grad_permits = Permits(self.grad_downloads_in_flight)
+
+    # --- primitives of a device type ----------------------------------------------------------
+
+    def activate(self):
+        """Context the worker runs a pass in (CUDA: its device and compute stream)."""
+        return contextlib.nullcontext()
+
+    def _copy_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _upload_parameter(self, t: torch.Tensor) -> torch.Tensor:
+        """A parameter's tensor on the device (default: a copy, as every other upload)."""
+        return self._copy_to_device(t)
+
+    def _begin_upload(self) -> None:
+        """Before a stage's weights are copied (CUDA: switch to the weights stream)."""
+
+    def _end_upload(self, nbytes: int) -> Any:
+        """After; returns the event marking the end of the copies."""
+        return None
+
+    def _begin_download(self) -> None:
+        """Before device-to-host copies (CUDA: the down stream waits for the compute)."""
+
+    def _end_download(self) -> Any:
+        return None
+
+    def host_wait(self, event: Any) -> None:
+        """Blocks the calling thread (without spinning) until the copies marked by ``event``
+        are done."""
+
+    def wait_weights(self, event: Any) -> None:
+        """Makes the compute wait for an upload marked by ``event``."""
+
+    def begin_visit(self) -> None:
+        """A stage visit starts on this device (before its weights are fetched)."""
+
+    def throttle(self) -> None:
+        """Called before each microbatch is issued: keeps the host at most one microbatch
+        ahead of the device (CUDA; nothing to do where copies are synchronous)."""
+
+    def done_through_previous_visit(self) -> bool:
+        """Whether the device finished every microbatch of the visits before the current one
+        (prefetching the next stage then keeps at most two stages of weights resident)."""
+        return True
+
+    def collect(self) -> dict[str, float]:
+        """Device-side timings measured since the last call (seconds), by stats key."""
+        return {}
+
+    # --- what every device type shares --------------------------------------------------------
+
+    def upload(self, layers: list[list[TensorRef]], with_grad: bool) -> tuple[StageWeights, Any]:
+        """A stage's weights on the device (each host tensor copied once); with ``with_grad``,
+        copies of trainable parameters (``index`` set and the host parameter still
+        ``requires_grad``) require grad. Returns the weights and the event of the copies."""
+        self._begin_upload()
+        copies: dict[int, torch.Tensor] = {}
+        weights = StageWeights([])
+        for refs in layers:
+            named = {}
+            for ref in refs:
+                t = copies.get(id(ref.host))
+                if t is None:
+                    t = copies[id(ref.host)] = (self._copy_to_device(ref.host) if ref.is_buffer
+                                                else self._upload_parameter(ref.host))
+                    size = nbytes(t)
+                    weights.nbytes += size
+                    if ref.is_buffer:
+                        self.stats.moved("h2d", "buffer", size)
+                        weights.buffers.append((ref.host, t, t._version, ref.owner))
+                    else:
+                        self.stats.moved("h2d", "weight", size)
+                        if with_grad and ref.index is not None and ref.host.requires_grad:
+                            t.requires_grad_(True)
+                            weights.trainable.append((ref.index, t))
+                named[ref.name] = t
+            weights.layers.append(named)
+        return weights, self._end_upload(weights.nbytes)
+
+    def to_device(self, tree: Any, event: Any, kind: str) -> Any:
+        """A copy of every tensor of a host tree (made ready by ``event``) on the device, never
+        the host tensor itself (layers may modify their inputs in place)."""
+        self._wait_host_copy(event)
+
+        def move(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            self.stats.moved("h2d", kind, nbytes(x))
+            return self._copy_to_device(x.detach())
+
+        return tree_map(move, tree)
+
+    def _wait_host_copy(self, event: Any) -> None:
+        """The next device copies wait for host data made ready by ``event``."""
+
+    def to_host(self, tree: Any, kind: str) -> tuple[Any, Any]:
+        """Every tensor of a device tree detached and on the host, and the event marking the
+        copies."""
+        self._begin_download()
+
+        def move(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            self.stats.moved("d2h", kind, nbytes(x))
+            return self._copy_to_host(x.detach())
+
+        out = tree_map(move, tree)
+        return out, self._end_download()
+
+    def sum_grads_over(self, weights: StageWeights, microbatches: int) -> None:
+        """Before a backward visit over ``microbatches``: with several, the gradient of each
+        trainable non-fp32 parameter is added into an fp32 sum on the device (in microbatch
+        order) as soon as autograd produces it, and freed. fp32 parameters keep autograd's
+        own accumulation in ``.grad`` (the same additions in the same order); with one
+        microbatch every gradient stays as it is, in the model dtype."""
+        if microbatches == 1:
+            return
+        for i, t in weights.trainable:
+            if t.dtype != torch.float32:
+                t.register_post_accumulate_grad_hook(functools.partial(self._add_to_sum, weights, i))
+
+    def _add_to_sum(self, weights: StageWeights, i: int, t: torch.Tensor) -> None:
+        g, t.grad = t.grad, None
+        total = weights.grad_sums.get(i)
+        if total is None:
+            weights.grad_sums[i] = self._new_sum(g)
+        else:
+            total.add_(g)
+
+    def _new_sum(self, g: torch.Tensor) -> torch.Tensor:
+        """An fp32 sum on the device starting at ``g``."""
+        return g.float()
+
+    def download_grads(self, weights: StageWeights, abort) -> Optional[GradDownload]:
+        """Downloads the stage's gradient sums once (waiting while
+        :attr:`grad_downloads_in_flight` earlier downloads of this device are not consumed);
+        ``None`` when no parameter got a gradient."""
+        sources = []
+        for i, t in weights.trainable:
+            g = weights.grad_sums.pop(i, None)
+            if g is None:
+                g = t.grad
+            t.grad = None
+            if g is not None:
+                sources.append((i, g))
+        if not sources:
+            return None
+        self._grad_permits.acquire(abort)
+        try:
+            for _, g in sources:
+                self.stats.moved("d2h", "param_grad", nbytes(g))
+            return self._download_grads(sources)
+        except BaseException:
+            self._grad_permits.release()
+            raise
+
+    def _download_grads(self, sources: list[tuple[int, torch.Tensor]]) -> GradDownload:
+        raise NotImplementedError
+
+    def write_back_buffers(self, weights: StageWeights) -> None:
+        """Copies back into the host model copy the buffers of every module that changed one
+        of its buffers (its version counter moved since the upload); the others are not
+        copied. A module's buffers go back together because some in-place updates do not
+        move version counters (BatchNorm's running statistics; its ``num_batches_tracked``,
+        updated with them, does)."""
+        moved = {owner for _, dev, version, owner in weights.buffers if dev._version != version}
+        changed = [(host, dev) for host, dev, _, owner in weights.buffers if owner in moved]
+        if changed:
+            for host, dev in changed:
+                self.stats.moved("d2h", "buffer", nbytes(dev))
+            self._write_back_buffers(changed)
+
+    def _write_back_buffers(self, changed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """At the end of a pass: the host may read everything written back to it."""
