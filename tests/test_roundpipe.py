@@ -52,7 +52,7 @@ def loss_fn(out, target):
 
 OPTIMIZERS = {
     "torch.SGD": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.5),
-    # eps near lr: see DESIGN.md §5 (gradients that cancel to ~0 amplify summation-order noise)
+    # eps near lr: see docs/design.md §5 (gradients that cancel to ~0 amplify summation-order noise)
     "roundpipe.Adam": lambda ps: rpo.Adam(ps, lr=1e-2, eps=1e-2),
 }
 
