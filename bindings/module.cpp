@@ -330,6 +330,7 @@ NB_MODULE(_C, m) {
       "bfloat16/float16 gradient or model copy) selects the fused mixed-precision pass.")
       .def(nb::init<>())
       .def_rw("grad_scale", &roundpipe::StepIO::grad_scale)
+      .def_rw("grad_clip", &roundpipe::StepIO::grad_clip)
       .def_rw("want_grad_norm", &roundpipe::StepIO::want_grad_norm)
       .def_rw("found_inf", &roundpipe::StepIO::found_inf)
       .def_rw("grad_norm_sq", &roundpipe::StepIO::grad_norm_sq);

@@ -198,7 +198,7 @@ def reference(stale: bool, clip: bool = True):
 
 
 def train_roundpipe(mode: str, clip: bool = True, steps: int = STEPS, scaler=None, start=0,
-                    model=None, opt=None):
+                    model=None, opt=None, sync_each: bool = True):
     if model is None:
         net = make_net()
         model = RoundPipe(net.half(), optim_dtype=torch.float32, num_microbatch=M)
@@ -219,7 +219,7 @@ def train_roundpipe(mode: str, clip: bool = True, steps: int = STEPS, scaler=Non
                                    grad_scaler=scaler)
             model.step(opt, is_async=mode == "async", grad_scaler=scaler, **kw)
         MaybeInf.on = False
-        if mode != "async":
+        if mode != "async" and sync_each:
             model.synchronize()
             r = model.last_step_stats()
             history.append((r.scale, r.skipped, r.grad_norm))
@@ -255,6 +255,14 @@ def test_synchronous_and_exact_modes_follow_torchs_grad_scaler_and_clipping(mode
     _assert_close_training(model, opt, master, ref_opt)
     if mode == "exact":
         assert model.pipeline_stats()["exact_deferred_calls"] == STEPS
+
+
+def test_exact_mode_without_waiting_between_calls_trains_the_same():
+    """Each call waits only for the previous call's verdict (its scale) and for each layer's
+    own update, never for the whole step."""
+    master, ref_opt, _ = reference(stale=False)
+    model, opt, scaler, _ = train_roundpipe("exact", sync_each=False)
+    _assert_close_training(model, opt, master, ref_opt)
 
 
 def test_the_asynchronous_step_is_the_one_step_stale_loop():

@@ -35,7 +35,7 @@ struct KernelTable {
 #undef ROUNDPIPE_KERNEL_ENTRY
   // the mixed-precision pass (kernels/mixed.hpp)
   void (*stage_grad)(const ParamBuffers&, std::size_t begin, std::size_t n, float inv_scale,
-                     bool norm, float* out, GradStats& stats);
+                     float clip, bool norm, float* out, GradStats& stats);
   void (*store_model_copy)(const ParamBuffers&, std::size_t begin, std::size_t n);
 };
 

@@ -126,10 +126,11 @@ class Steps:
 
     def __init__(self, copies: ParamCopies, num_layers: int, stats: Stats) -> None:
         self.copies, self.stats = copies, stats
-        self.thread = OptimizerThread(num_layers, on_error=copies.clear_grads)
+        self.thread = OptimizerThread(num_layers, on_error=self.discard)
         self.gates = self.thread.gates
         self._hooked: "weakref.WeakSet" = weakref.WeakSet()
         self.report = StepReport()
+        self._called = False                        # forward_backward since the last step
         self._scaler: Optional[GradScaler] = None   # of the calls since the last step
         self._scale: Optional[float] = None         # their loss scale
         self._next_scale: Optional[float] = None    # set by an asynchronous step
@@ -165,6 +166,12 @@ class Steps:
     def close(self) -> None:
         self.thread.close()
 
+    def discard(self) -> None:
+        """The gradients accumulated since the last step are dropped (a failed call, a
+        background error, zero_grad): the next call starts the step afresh."""
+        self.copies.clear_grads()
+        self._scaler, self._scale, self._called = None, None, False
+
     # --- loss scale of a call --------------------------------------------------------------------------
 
     def begin_call(self, scaler: Optional[GradScaler], exact: bool) -> float:
@@ -180,11 +187,12 @@ class Steps:
             raise TypeError("RoundPipe: grad_scaler must be a roundpipe.GradScaler (torch's "
                             "cannot follow an asynchronous step), got "
                             f"{type(scaler).__name__}")
-        if self._scale is not None or any(g is not None for g in self.copies.grads):
+        if self._called:
             if scaler is not self._scaler:
                 raise ValueError("RoundPipe: every forward_backward call of one step must use "
                                  "the same grad_scaler (the gradients accumulated since the "
                                  "last step were scaled differently)")
+        self._called = True
         if scaler is None or not scaler.is_enabled():
             self._scaler, self._scale = scaler, None
             return 1.0
@@ -200,12 +208,12 @@ class Steps:
         if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError(f"{where}: grad_scaler must be a roundpipe.GradScaler, got "
                             f"{type(scaler).__name__}")
-        if scaler is not self._scaler and any(g is not None for g in self.copies.grads):
+        if scaler is not self._scaler and self._called:
             raise ValueError(f"{where}: the gradients were {'not ' if self._scaler is None else ''}"
                              "scaled by this grad_scaler; pass the grad_scaler given to "
                              "forward_backward")
         scale = self._scale if self._scale is not None else 1.0
-        self._scaler, self._scale = None, None
+        self._scaler, self._scale, self._called = None, None, False
         return scale
 
     # --- gradients from the pipeline ---------------------------------------------------------------

@@ -430,7 +430,7 @@ class RoundPipe(nn.Module):
                 outputs = [tree for tree, _ in run.outputs] if return_outputs else []
             except BaseException:
                 self._steps.wait()
-                self._copies.clear_grads()
+                self._steps.discard()
                 raise
             finally:
                 spec.store.clear()
@@ -546,7 +546,7 @@ class RoundPipe(nn.Module):
         optimizer copies), not those the next pass is accumulating."""
         self._steps.wait()
         if not self._steps.is_current():
-            self._copies.clear_grads()
+            self._steps.discard()
         for o in self._copies.optim:
             o.grad = None
 

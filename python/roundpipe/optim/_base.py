@@ -4,6 +4,7 @@ messages), and gathering a parameter group into the lists one C++ call takes."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 import warnings
@@ -301,13 +302,14 @@ class CpuOptimizer(Optimizer):
     @torch.no_grad()
     def fused_step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    model_copies: Optional[Sequence[torch.Tensor]] = None, *,
-                   grad_scale: Optional[float] = None, grad_norm: bool = False) -> StepStats:
+                   grad_scale: Optional[float] = None, clip_factor: float = 1.0,
+                   grad_norm: bool = False) -> StepStats:
         """Steps only ``params``, with the gradients ``grads`` instead of their ``.grad``, and
         writes the updated values into ``model_copies``: the mixed-precision entry point of
         the pipeline (a layer's parameters are stepped as soon as its gradients are final).
 
         The result equals, bit for bit, setting ``p.grad = g.float() * (1 / grad_scale)``
-        (the factor rounded to float32) for each pair, calling :meth:`step` on an optimizer
+        (the factor rounded to float32; then ``* clip_factor``) for each pair, calling :meth:`step` on an optimizer
         holding only these parameters (each with its own group's hyperparameters), then
         ``copy.copy_(p)`` (round to nearest even). State is created and step counts advance
         as in :meth:`step`; parameters' ``.grad`` are neither read nor changed.
@@ -321,7 +323,12 @@ class CpuOptimizer(Optimizer):
             grad_scale: the gradients are multiplied by ``1 / grad_scale`` (e.g. a loss scale;
                 a number or a 1-element floating tensor, finite and > 0). The update is applied even when a gradient is inf or
                 NaN; check ``found_inf`` (or check the gradients before) to skip a step.
-            grad_norm: also return the squared L2 norm of the unscaled gradients.
+            clip_factor: then the gradients are multiplied by this number rounded to float32, a
+                second rounding (``g * float32(1 / grad_scale) * float32(clip_factor)``, as
+                ``torch.nn.utils.clip_grad_norm_`` after ``GradScaler.unscale_``; default 1:
+                not applied). NaN is accepted and spreads, as torch's clipping by a NaN norm.
+            grad_norm: also return the squared L2 norm of the unscaled gradients (before
+                ``clip_factor``).
 
         Returns:
             :class:`StepStats`.
@@ -348,6 +355,10 @@ class CpuOptimizer(Optimizer):
                              f"got {len(params)}, {len(grads)}"
                              + (f", {len(copies)}" if copies is not None else ""))
         scale = _grad_scale(grad_scale, name)
+        if isinstance(clip_factor, bool) or not isinstance(clip_factor, numbers.Real) \
+                or math.isinf(clip_factor):
+            raise ValueError(f"{name}: clip_factor must be a finite real number (or NaN), got "
+                             f"{clip_factor!r}")
         by_group: dict[int, list[int]] = {}
         seen: set[int] = set()
         for i, p in enumerate(params):
@@ -382,6 +393,7 @@ class CpuOptimizer(Optimizer):
                     raise ValueError(f"{name}: {what}[{i}] must be contiguous")
         io = _C.StepIO()
         io.grad_scale = scale
+        io.grad_clip = float(clip_factor)
         io.want_grad_norm = bool(grad_norm)
         self._opt_called = True  # an optimizer step for torch's LR schedulers (no warning)
         found_inf, norm_sq = False, 0.0
