@@ -45,7 +45,7 @@ void asgd_step(const AsgdOptions& o, const ParamBuffers* tensors, std::size_t co
     const double since_t0 = step - o.t0;
     mu_t = static_cast<float>(1.0 / (since_t0 > 1.0 ? since_t0 : 1.0));
   }
-  detail::run_kernel(kernels.asgd, coeffs.data(), tensors, count, io);
+  detail::run_kernel<AsgdState>(kernels.asgd, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -13,6 +13,7 @@
 #include "kernels/adam.hpp"
 #include "kernels/adamax.hpp"
 #include "kernels/asgd.hpp"
+#include "kernels/compact.hpp"
 #include "kernels/mixed.hpp"
 #include "kernels/nadam.hpp"
 #include "kernels/radam.hpp"
@@ -36,7 +37,16 @@ struct KernelTable {
   // the mixed-precision pass (kernels/mixed.hpp)
   void (*stage_grad)(const ParamBuffers&, std::size_t begin, std::size_t n, float inv_scale,
                      float clip, bool norm, float* out, GradStats& stats);
-  void (*store_model_copy)(const ParamBuffers&, std::size_t begin, std::size_t n);
+  void (*store_model_copy)(const ParamBuffers&, const float* param, std::size_t begin,
+                           std::size_t n);
+  // compact storage (kernels/compact.hpp)
+  void (*widen_bf16)(const std::uint16_t* x, std::size_t n, float* out);
+  void (*round_bf16)(const float* x, std::size_t n, std::uint32_t key, std::uint32_t first,
+                     std::uint16_t* out, float* kept);
+  void (*dequantize_blocks)(const QuantMap&, const std::uint8_t* codes, const float* absmax,
+                            std::size_t n, float* out);
+  void (*quantize_blocks)(const QuantMap&, const float* x, std::size_t n, std::uint8_t* codes,
+                          float* absmax);
 };
 
 // The table of the active ISA (roundpipe::active_isa()); throws roundpipe::Error as that does.

@@ -7,6 +7,7 @@
 #include "roundpipe/adamax.hpp"
 #include "roundpipe/asgd.hpp"
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/compact.hpp"
 #include "roundpipe/error.hpp"
 #include "roundpipe/isa.hpp"
 #include "roundpipe/nadam.hpp"

@@ -6,6 +6,7 @@
 #error "define ROUNDPIPE_ISA_NS before including a kernel body"
 #endif
 #include <cstddef>
+#include <type_traits>
 
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
@@ -15,6 +16,13 @@ inline void for_range(std::size_t begin, std::size_t end, Body&& body) {
   std::size_t i = begin;
   for (; i + Vec::width <= end; i += Vec::width) body(Vec{}, i);
   for (; i < end; ++i) body(Scalar{}, i);
+}
+
+// The accumulator of lane type V: a reduction keeps one for the vector body and one for the tail.
+template <class V>
+inline V& lane_acc(Vec& vec_acc, Scalar& scalar_acc) {
+  if constexpr (std::is_same_v<V, Vec>) return vec_acc;
+  else return scalar_acc;
 }
 
 // torch's start.lerp_(end, w) as ATen's vectorized kernel computes it, given the coefficient
