@@ -34,7 +34,7 @@ namespace {
 // life of the process: they must outlive any call).
 struct Torch {
   PyObject* tensor_type;
-  PyObject *float32, *bfloat16, *float16, *strided;
+  PyObject *float32, *bfloat16, *float16, *uint8, *strided;
   PyObject *dtype, *is_cpu, *layout, *numel, *dim, *is_contiguous, *is_neg, *data_ptr, *device;
 };
 
@@ -45,7 +45,7 @@ const Torch& torch_api() {
     auto name = [](const char* n) { return PyUnicode_InternFromString(n); };
     return new Torch{keep(torch.attr("Tensor")), keep(torch.attr("float32")),
                      keep(torch.attr("bfloat16")), keep(torch.attr("float16")),
-                     keep(torch.attr("strided")), name("dtype"), name("is_cpu"), name("layout"),
+                     keep(torch.attr("uint8")), keep(torch.attr("strided")), name("dtype"), name("is_cpu"), name("layout"),
                      name("numel"), name("dim"), name("is_contiguous"), name("is_neg"), name("data_ptr"),
                      name("device")};
   }();
@@ -70,16 +70,31 @@ nb::object call(PyObject* obj, PyObject* name) {
 
 std::string text(PyObject* obj) { return nb::cast<std::string>(nb::str(nb::handle(obj))); }
 
-// Which dtypes an argument accepts.
-enum class Accept { float32, any_float };
+// Which dtypes an argument accepts: float32 only; float32, bfloat16 or float16 (gradients,
+// model copies); float32 or bfloat16 (parameters with stochastic rounding); float32 (parameters
+// without: the message says how to allow bfloat16); float32, bfloat16 or uint8 (state:
+// float32, bfloat16 or int8 codes, roundpipe/compact.hpp).
+enum class Accept { float32, any_float, param, param_fp32, state };
 
-// A checked tensor: its data, size and element type.
+// A checked tensor: its data, size and element type (`codes`: uint8, int8 state codes).
 struct Tensor {
   void* data;
   std::size_t numel;
   long ndim;
   roundpipe::Dtype dtype;
+  bool codes = false;  // uint8 (int8 state codes)
 };
+
+const char* accepted(Accept a) {
+  switch (a) {
+    case Accept::float32: return "float32";
+    case Accept::any_float: return "float32, bfloat16 or float16";
+    case Accept::param: return "float32 or bfloat16";
+    case Accept::param_fp32:
+      return "float32 (bfloat16 parameters need stochastic rounding: stochastic_rounding=True)";
+    default: return "float32, bfloat16 or uint8 (int8 codes)";
+  }
+}
 
 // Checks one tensor and returns its data. `like` (if given) is the parameter it belongs to,
 // whose number of elements and of dimensions it must have; `read_dim` reads the dimension count
@@ -95,14 +110,16 @@ Tensor checked(PyObject* t, const char* fn, const char* arg, std::size_t i, Acce
   nb::object dtype = get(t, T.dtype);
   Tensor out{nullptr, 0, 0, roundpipe::Dtype::float32};
   if (dtype.ptr() == T.float32) {
-  } else if (accept == Accept::any_float && dtype.ptr() == T.bfloat16) {
+  } else if ((accept == Accept::any_float || accept == Accept::param ||
+              accept == Accept::state) && dtype.ptr() == T.bfloat16) {
     out.dtype = roundpipe::Dtype::bfloat16;
   } else if (accept == Accept::any_float && dtype.ptr() == T.float16) {
     out.dtype = roundpipe::Dtype::float16;
+  } else if (accept == Accept::state && dtype.ptr() == T.uint8) {
+    out.codes = true;
   } else {
-    throw nb::type_error((where(fn, arg, i) + " must be " +
-                          (accept == Accept::float32 ? "float32" : "float32, bfloat16 or float16") +
-                          ", got " + text(dtype.ptr())).c_str());
+    throw nb::type_error((where(fn, arg, i) + " must be " + accepted(accept) + ", got " +
+                          text(dtype.ptr())).c_str());
   }
   if (get(t, T.is_cpu).ptr() != Py_True)
     throw nb::type_error((where(fn, arg, i) + " must be a CPU tensor, got " +
@@ -214,7 +231,8 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
       name,
       [fn, name](const Options& options, nb::handle params_arg, nb::handle grads_arg,
                  nb::handle states_arg, nb::handle scalars_arg, nb::handle copies_arg,
-                 roundpipe::StepIO* io, int num_threads) {
+                 roundpipe::StepIO* io, int num_threads, nb::handle absmax_arg,
+                 nb::handle seeds_arg, bool bf16_params) {
         constexpr auto& state_names = State::state_names;
         constexpr auto& scalar_names = State::scalar_names;
         const roundpipe::ThreadCountScope threads(num_threads);
@@ -228,7 +246,7 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
                                  std::to_string(state_names.size()) + " state lists and " +
                                  std::to_string(scalar_names.size()) + " scalar lists").c_str());
         check_count(name, grads, n);
-        std::vector<List> states, scalars;
+        std::vector<List> states, scalars, absmax;
         for (std::size_t k = 0; k < states_outer.size(); ++k) {
           states.push_back(as_list(states_outer[k], name, state_names[k]));
           if (states.back().size() != 0) check_count(name, states.back(), n);
@@ -237,10 +255,24 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
           scalars.push_back(as_list(scalars_outer[k], name, scalar_names[k]));
           if (scalars.back().size() != 0) check_count(name, scalars.back(), n);
         }
-        std::optional<List> copies;
+        if (!absmax_arg.is_none()) {
+          const List outer = as_list(absmax_arg, name, "absmax");
+          if (outer.size() > state_names.size())
+            throw nb::value_error((std::string(name) + ": expected at most " +
+                                   std::to_string(state_names.size()) + " absmax lists").c_str());
+          for (std::size_t k = 0; k < outer.size(); ++k) {
+            absmax.push_back(as_list(outer[k], name, state_names[k]));
+            if (absmax.back().size() != 0) check_count(name, absmax.back(), n);
+          }
+        }
+        std::optional<List> copies, seeds;
         if (!copies_arg.is_none()) {
           copies = as_list(copies_arg, name, "model_copies");
           check_count(name, *copies, n);
+        }
+        if (!seeds_arg.is_none()) {
+          seeds = as_list(seeds_arg, name, "rounding_seeds");
+          check_count(name, *seeds, n);
         }
         std::vector<roundpipe::ParamBuffers> tensors;
         tensors.reserve(n);
@@ -248,8 +280,13 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
           PyObject* p = params[i];
           if (p == Py_None) continue;
           roundpipe::ParamBuffers t;
-          const Tensor param = checked(p, name, "params", i, Accept::float32, nullptr, true);
-          t.param = static_cast<float*>(param.data);
+          const Tensor param = checked(p, name, "params", i,
+                                       bf16_params ? Accept::param : Accept::param_fp32, nullptr,
+                                       true);
+          if (param.dtype == roundpipe::Dtype::bfloat16)
+            t.param_bf16 = static_cast<std::uint16_t*>(param.data);
+          else
+            t.param = static_cast<float*>(param.data);
           t.numel = param.numel;
           const Tensor g = checked(present(grads, name, i), name, "grads", i, Accept::any_float,
                                    &param);
@@ -259,11 +296,33 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
             t.grad16 = static_cast<const std::uint16_t*>(g.data);
             t.grad16_dtype = g.dtype;
           }
-          for (std::size_t k = 0; k < states.size(); ++k)
-            if (states[k].size() != 0)
-              t.state[k] = static_cast<float*>(
-                  checked(present(states[k], name, i), name, state_names[k], i, Accept::float32,
-                          &param).data);
+          for (std::size_t k = 0; k < states.size(); ++k) {
+            if (states[k].size() == 0) continue;
+            const Tensor st = checked(present(states[k], name, i), name, state_names[k], i,
+                                      Accept::state, &param);
+            if (st.codes) {
+              t.state_format[k] = roundpipe::StateFormat::int8;
+              t.packed_state[k] = st.data;
+              const List* am = k < absmax.size() && absmax[k].size() != 0 ? &absmax[k] : nullptr;
+              if (!am || (*am)[i] == Py_None)
+                throw nb::value_error((where(name, state_names[k], i) + " holds int8 codes "
+                                       "(uint8) but no absmax was given").c_str());
+              const Tensor a = checked((*am)[i], name, "absmax", i, Accept::float32, nullptr);
+              if (a.numel != roundpipe::quant_blocks(param.numel))
+                throw nb::value_error((where(name, "absmax", i) + " (" + state_names[k] +
+                                       ") must hold " +
+                                       std::to_string(roundpipe::quant_blocks(param.numel)) +
+                                       " values, one per block of " +
+                                       std::to_string(roundpipe::kQuantBlock) + " elements, got " +
+                                       std::to_string(a.numel)).c_str());
+              t.state_absmax[k] = static_cast<float*>(a.data);
+            } else if (st.dtype == roundpipe::Dtype::bfloat16) {
+              t.state_format[k] = roundpipe::StateFormat::bfloat16;
+              t.packed_state[k] = st.data;
+            } else {
+              t.state[k] = static_cast<float*>(st.data);
+            }
+          }
           for (std::size_t k = 0; k < scalars.size(); ++k) {
             if (scalars[k].size() == 0) continue;
             const Tensor s = checked(present(scalars[k], name, i), name, scalar_names[k], i,
@@ -278,13 +337,15 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
             t.model_copy = c.data;
             t.model_copy_dtype = c.dtype;
           }
+          if (seeds) t.rounding_seed = nb::cast<std::uint64_t>(nb::handle((*seeds)[i]));
           tensors.push_back(t);
         }
         without_gil([&] { fn(options, tensors.data(), tensors.size(), io); });
       },
       nb::arg("options"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
       nb::arg("scalars"), nb::arg("model_copies") = nb::none(), nb::arg("io").none() = nb::none(),
-      nb::arg("num_threads") = 0, doc.c_str());
+      nb::arg("num_threads") = 0, nb::arg("absmax") = nb::none(),
+      nb::arg("rounding_seeds") = nb::none(), nb::arg("bf16_params") = false, doc.c_str());
 }
 
 template <class Names>
@@ -307,12 +368,15 @@ void def_algorithm(nb::module_& m, const char* options_name, const char* step_na
   def_step<Options, State>(
       m, step_name, fn,
       std::string(step_name) + "(options, params, grads, [" + join(State::state_names) + "], [" +
-          join(State::scalar_names) + "], model_copies=None, io=None, num_threads=0):\n"
+          join(State::scalar_names) + "], model_copies=None, io=None, num_threads=0, absmax=None,\n"
+          "rounding_seeds=None, bf16_params=False):\n"
           "roundpipe::" + step_name + " (" + header + ") over lists of CPU tensors, one entry per\n"
-          "parameter: float32 params, float32/bfloat16/float16 grads, per-slot lists of float32\n"
-          "state tensors shaped like the params and of 0-dim float32 scalars (a slot the options\n"
-          "leave unused may be []). A None in params skips that position (None there in every\n"
-          "list).");
+          "parameter: float32 (or, with bf16_params, bfloat16: stochastic rounding) params,\nfloat32/bfloat16/float16 "
+          "grads, per-slot lists of state tensors shaped like the params (float32, bfloat16, or\n"
+          "uint8 int8 codes with their per-slot `absmax` float32 tensors of quant_blocks(numel)\n"
+          "values; roundpipe/compact.hpp) and of 0-dim float32 scalars (a slot the options leave\n"
+          "unused may be []), `rounding_seeds` one int per param (ParamBuffers::rounding_seed).\n"
+          "A None in params skips that position (None there in every list).");
 }
 
 }  // namespace
@@ -340,6 +404,58 @@ NB_MODULE(_C, m) {
       m, #Name "Options", #name "_step", "roundpipe/" #name ".hpp", &roundpipe::name##_step);
   ROUNDPIPE_STEP_FUNCTIONS(ROUNDPIPE_BIND)
 #undef ROUNDPIPE_BIND
+
+  // compact storage (roundpipe/compact.hpp): whole-tensor conversions, for checkpoints
+  m.attr("QUANT_BLOCK") = roundpipe::kQuantBlock;
+  m.attr("INT8_MIN_NUMEL") = roundpipe::kInt8MinNumel;
+  m.def("dynamic_map", [](bool is_signed) {
+    const float* v = roundpipe::dynamic_map(is_signed);
+    return std::vector<float>(v, v + 256);
+  }, nb::arg("is_signed"), "The 256 values of the signed or unsigned 8-bit dynamic map, ascending.");
+  m.def("rounding_seed", &roundpipe::rounding_seed, nb::arg("seed"), nb::arg("index"),
+        "roundpipe::rounding_seed: the stream of tensor `index` of an optimizer seeded `seed`.");
+  m.def("quantize_blockwise", [](nb::handle src, bool is_signed, nb::handle codes, nb::handle absmax) {
+    constexpr const char* fn = "quantize_blockwise";
+    const Tensor x = checked(src.ptr(), fn, "src", 0, Accept::float32, nullptr, true);
+    const Tensor c = checked(codes.ptr(), fn, "codes", 0, Accept::state, &x);
+    const Tensor a = checked(absmax.ptr(), fn, "absmax", 0, Accept::float32, nullptr);
+    if (!c.codes) throw nb::type_error("quantize_blockwise: codes must be uint8");
+    if (a.numel != roundpipe::quant_blocks(x.numel))
+      throw nb::value_error("quantize_blockwise: absmax must hold quant_blocks(src.numel()) values");
+    without_gil([&] {
+      roundpipe::quantize_blockwise(static_cast<const float*>(x.data), x.numel, is_signed,
+                                    static_cast<std::uint8_t*>(c.data), static_cast<float*>(a.data));
+    });
+  }, nb::arg("src"), nb::arg("is_signed"), nb::arg("codes"), nb::arg("absmax"),
+     "roundpipe::quantize_blockwise: float32 `src` into uint8 `codes` (same element count) and\n"
+     "float32 `absmax` (one per block of QUANT_BLOCK elements).");
+  m.def("dequantize_blockwise", [](nb::handle codes, nb::handle absmax, bool is_signed, nb::handle dst) {
+    constexpr const char* fn = "dequantize_blockwise";
+    const Tensor x = checked(dst.ptr(), fn, "dst", 0, Accept::float32, nullptr, true);
+    const Tensor c = checked(codes.ptr(), fn, "codes", 0, Accept::state, &x);
+    const Tensor a = checked(absmax.ptr(), fn, "absmax", 0, Accept::float32, nullptr);
+    if (!c.codes) throw nb::type_error("dequantize_blockwise: codes must be uint8");
+    if (a.numel != roundpipe::quant_blocks(x.numel))
+      throw nb::value_error("dequantize_blockwise: absmax must hold quant_blocks(dst.numel()) values");
+    without_gil([&] {
+      roundpipe::dequantize_blockwise(static_cast<const std::uint8_t*>(c.data),
+                                      static_cast<const float*>(a.data), x.numel, is_signed,
+                                      static_cast<float*>(x.data));
+    });
+  }, nb::arg("codes"), nb::arg("absmax"), nb::arg("is_signed"), nb::arg("dst"),
+     "roundpipe::dequantize_blockwise: uint8 `codes` and float32 `absmax` into float32 `dst`.");
+  m.def("round_bf16_stochastic", [](nb::handle src, std::uint64_t seed, nb::handle dst) {
+    constexpr const char* fn = "round_bf16_stochastic";
+    const Tensor x = checked(src.ptr(), fn, "src", 0, Accept::float32, nullptr, true);
+    const Tensor d = checked(dst.ptr(), fn, "dst", 0, Accept::param, &x);
+    if (d.dtype != roundpipe::Dtype::bfloat16)
+      throw nb::type_error("round_bf16_stochastic: dst must be bfloat16");
+    without_gil([&] {
+      roundpipe::round_bf16_stochastic(static_cast<const float*>(x.data), x.numel, seed,
+                                       static_cast<std::uint16_t*>(d.data));
+    });
+  }, nb::arg("src"), nb::arg("seed"), nb::arg("dst"),
+     "roundpipe::round_bf16_stochastic: float32 `src` into bfloat16 `dst`, stream `seed`.");
 
   m.def("supported_isas", [] {
     std::vector<std::string> out;

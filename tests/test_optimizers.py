@@ -201,11 +201,18 @@ def _signature_flags(case, names):
     return [n for n in names if n in params]
 
 
+# roundpipe's own options (compact storage, roundpipe.optim.compact): keyword-only, after
+# torch's, with defaults that change nothing.
+EXTRA_OPTIONS = {"state_dtype": torch.float32, "stochastic_rounding": False, "seed": None}
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_signature_matches_torch(case):
     ours = inspect.signature(case.ours.__init__).parameters
     ref = inspect.signature(case.ref.__init__).parameters
-    assert list(ours) == list(ref)
+    assert list(ours) == list(ref) + list(EXTRA_OPTIONS)
+    for name, default in EXTRA_OPTIONS.items():
+        assert ours[name].kind == inspect.Parameter.KEYWORD_ONLY and ours[name].default is default
     for name, p in ref.items():
         assert ours[name].kind == p.kind, name
         if p.default is not inspect.Parameter.empty:
