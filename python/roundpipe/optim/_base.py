@@ -161,7 +161,7 @@ class CpuOptimizer(Optimizer):
                     stacklevel=3,
                 )
                 defaults[flag] = None
-        self._check_placeholders(defaults)
+        self._check_group(defaults)
         super().__init__(params, defaults)
 
     @property
@@ -200,7 +200,9 @@ class CpuOptimizer(Optimizer):
         """The seed of the stochastic rounding bits."""
         return self._memory.seed
 
-    def _check_placeholders(self, group: dict[str, Any]) -> None:
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Refuses what a group may not ask for, before anything is stepped: capturable or
+        differentiable (and what a subclass adds)."""
         for flag in ("capturable", "differentiable"):
             if group.get(flag):
                 raise ValueError(
@@ -427,7 +429,7 @@ class CpuOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.add_param_group``; ``capturable``/``differentiable``
         True is a ``ValueError`` here too, before the group is added."""
-        self._check_placeholders(param_group)
+        self._check_group(param_group)
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -503,7 +505,7 @@ class CpuOptimizer(Optimizer):
             seen.add(id(p))
             by_group.setdefault(gi, []).append(i)
         for gi in by_group:  # before any group steps
-            self._check_placeholders(self.param_groups[gi])
+            self._check_group(self.param_groups[gi])
         param_dtypes = (torch.float32, torch.bfloat16) if self.stochastic_rounding else (torch.float32,)
         for i, (p, g) in enumerate(zip(params, grads)):
             if p.dtype not in param_dtypes or p.device.type != "cpu" or not p.is_contiguous():
@@ -534,7 +536,7 @@ class CpuOptimizer(Optimizer):
         found_inf, norm_sq = False, 0.0
         for gi, positions in sorted(by_group.items()):
             group = self.param_groups[gi]
-            self._check_placeholders(group)
+            self._check_group(group)
             try:
                 self._step_tensors(group, [params[i] for i in positions],
                                    [grads[i] for i in positions],
@@ -572,7 +574,7 @@ class CpuOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
-            self._check_placeholders(group)
+            self._check_group(group)
             try:
                 self._step_group(group)
             except (TypeError, ValueError) as e:
