@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -215,6 +216,21 @@ template <class Options>
 using StepFn = void (*)(const Options&, const roundpipe::ParamBuffers*, std::size_t,
                         roundpipe::StepIO*);
 
+// Whether an algorithm's step reads ParamBuffers::rows and cols (State::factored).
+template <class State, class = void>
+struct Factored : std::false_type {};
+template <class State>
+struct Factored<State, std::void_t<decltype(State::factored)>> : std::bool_constant<State::factored> {};
+
+// rows and cols of a tensor of two or more dimensions: its last two sizes.
+void read_matrix_shape(PyObject* t, long ndim, roundpipe::ParamBuffers& out) {
+  if (ndim < 2) return;
+  nb::object shape = nb::steal(PyObject_GetAttrString(t, "shape"));
+  if (!shape.ptr()) throw nb::python_error();
+  out.rows = nb::cast<std::size_t>(nb::handle(PyTuple_GetItem(shape.ptr(), ndim - 2)));
+  out.cols = nb::cast<std::size_t>(nb::handle(PyTuple_GetItem(shape.ptr(), ndim - 1)));
+}
+
 // Binds `fn` as `name(options, params, grads, states, scalars, model_copies=None, io=None,
 // num_threads=0)`. `states` holds one list per state slot, in slot order; `scalars` one list per
 // 0-dim state slot (scalars[0]: the steps, or SGD's momentum-buffer flags); the slots are
@@ -288,6 +304,7 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
           else
             t.param = static_cast<float*>(param.data);
           t.numel = param.numel;
+          if constexpr (Factored<State>::value) read_matrix_shape(p, param.ndim, t);
           const Tensor g = checked(present(grads, name, i), name, "grads", i, Accept::any_float,
                                    &param);
           if (g.dtype == roundpipe::Dtype::float32) {
@@ -298,8 +315,13 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
           }
           for (std::size_t k = 0; k < states.size(); ++k) {
             if (states[k].size() == 0) continue;
+            Tensor like = param;  // a factored algorithm's factors: the matrices' rows, columns
+            if constexpr (Factored<State>::value) {
+              if (k < 2 && param.numel == 0) continue;  // nothing is read
+              if (k < 2 && param.ndim >= 2) like.numel = param.numel / (k == 0 ? t.cols : t.rows);
+            }
             const Tensor st = checked(present(states[k], name, i), name, state_names[k], i,
-                                      Accept::state, &param);
+                                      Accept::state, &like);
             if (st.codes) {
               t.state_format[k] = roundpipe::StateFormat::int8;
               t.packed_state[k] = st.data;

@@ -9,6 +9,7 @@
 #include <cstddef>
 
 #include "kernels/adadelta.hpp"
+#include "kernels/adafactor.hpp"
 #include "kernels/adagrad.hpp"
 #include "kernels/adam.hpp"
 #include "kernels/adamax.hpp"
@@ -39,6 +40,14 @@ struct KernelTable {
                      float clip, bool norm, float* out, GradStats& stats);
   void (*store_model_copy)(const ParamBuffers&, const float* param, std::size_t begin,
                            std::size_t n);
+  // Adafactor's reductions and passes besides its update (kernels/adafactor.hpp)
+  double (*adafactor_squares)(const float* x, std::size_t n, float* acc);
+  void (*adafactor_lerp)(float* start, const float* end, std::size_t n, float weight,
+                         bool from_end);
+  double (*adafactor_variance)(const AdafactorCoeffs&, const ParamBuffers&, std::size_t begin,
+                               std::size_t end);
+  double (*adafactor_norm)(const AdafactorCoeffs&, const ParamBuffers&, std::size_t begin,
+                           std::size_t end);
   // compact storage (kernels/compact.hpp)
   void (*widen_bf16)(const std::uint16_t* x, std::size_t n, float* out);
   void (*round_bf16)(const float* x, std::size_t n, std::uint32_t key, std::uint32_t first,

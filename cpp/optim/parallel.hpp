@@ -21,6 +21,13 @@ constexpr std::size_t kChunkElements = 16384;
 // are done. Calls from several threads are serialised.
 void run_tasks(std::size_t ntasks, void (*task)(void* ctx, std::size_t k), void* ctx);
 
+// Runs fn(k) for k in [0, ntasks) on the pool.
+template <class Fn>
+void for_each_task(std::size_t ntasks, Fn&& fn) {
+  run_tasks(ntasks, [](void* ctx, std::size_t k) { (*static_cast<std::remove_reference_t<Fn>*>(ctx))(k); },
+            &fn);
+}
+
 // Elements per step of the mixed-precision pass: its float32 gradient buffer (8 KiB) and the
 // slices of param and state it updates stay in L1 between staging, update and copy-out.
 constexpr std::size_t kStageElements = 2048;

@@ -38,6 +38,10 @@ struct ParamBuffers {
   float* state[kMaxState] = {};         ///< per-element state, updated in place
   float* scalar[kMaxScalar] = {};       ///< 0-dim state ([0]: step), updated in place
   std::size_t numel = 0;
+  /// The last two sizes of a tensor of two or more dimensions (numel / (rows * cols) matrices);
+  /// 0 for a vector or a 0-dim tensor. Only algorithms that factor their state (Adafactor)
+  /// read them.
+  std::size_t rows = 0, cols = 0;
 
   /// Mixed precision (optional; see roundpipe/step_io.hpp). When `grad16` is set, the gradient
   /// is read from it as `grad16_dtype` (bfloat16 or float16) and `grad` is ignored: no float32

@@ -36,6 +36,10 @@ namespace roundpipe {
 ///   static bool uses_state(const Options&, int slot);      which state slots the options need
 ///   static void init(const Options&, ParamBuffers& t);     fills a new tensor's state (arrays
 ///                                                          of t.numel elements, already zeroed)
+/// and optionally
+///   static std::size_t state_numel(int slot, std::size_t numel, std::size_t rows,
+///                                  std::size_t cols);      elements of a slot (default numel;
+///                                                          Adafactor's factors are smaller)
 template <class Options>
 struct AlgorithmTraits;
 
@@ -88,6 +92,7 @@ class Optimizer {
     const float* grad = nullptr;
     const std::uint16_t* grad_bf16 = nullptr;
     std::size_t numel = 0;
+    std::size_t rows = 0, cols = 0;  ///< a tensor of >= 2 dimensions: its last two sizes (Adafactor)
   };
 
   /// As add_param(param, grad, numel), with a bfloat16 parameter or gradient allowed. Throws
@@ -96,7 +101,12 @@ class Optimizer {
     if (a.numel != 0 && ((a.param && a.param_bf16) || (a.grad && a.grad_bf16)))
       throw Error(std::string(Traits::name) + "::add_param: give one parameter array and one "
                   "gradient array");
-    return add(a.param, a.param_bf16, a.grad, a.grad_bf16, a.numel);
+    if ((a.rows || a.cols) && a.rows * a.cols != 0 && a.numel % (a.rows * a.cols) != 0)
+      throw Error(std::string(Traits::name) + "::add_param: rows * cols does not divide numel");
+    const std::size_t i = add(a.param, a.param_bf16, a.grad, a.grad_bf16, a.numel);
+    params_[i].rows = a.rows;
+    params_[i].cols = a.cols;
+    return i;
   }
 
   /// How state is stored: float32 (the default), bfloat16 (rounded stochastically) or int8
@@ -134,8 +144,10 @@ class Optimizer {
       t.grad = p.grad;
       t.grad16 = p.grad16;
       t.numel = p.numel;
+      t.rows = p.rows;
+      t.cols = p.cols;
       for (int k = 0; k < ParamBuffers::kMaxState; ++k) {
-        if (Traits::uses_state(options_, k) && p.state.size(k) != p.numel)
+        if (Traits::uses_state(options_, k) && p.state.size(k) != slot_numel(k, p))
           allocate(p, k);  // e.g. amsgrad switched on later
         view_slot(p.state, k, t);
       }
@@ -175,11 +187,11 @@ class Optimizer {
                                   ? !int8_allowed() || s.absmax[k].size() != quant_blocks(p.numel)
                                   : s.format[k] != StateFormat::float32 &&
                                         s.format[k] != StateFormat::bfloat16;
-      if ((Traits::uses_state(options_, k) && s.size(k) != p.numel) || bad_format)
+      if ((Traits::uses_state(options_, k) && s.size(k) != slot_numel(k, p)) || bad_format)
         throw Error(std::string(Traits::name) + "::load_state: state slot " + std::to_string(k) +
                     " of param " + std::to_string(i) + " has " + std::to_string(s.size(k)) +
                     " elements" + (bad_format ? " in a format this algorithm cannot read" : "") +
-                    ", expected " + std::to_string(p.numel));
+                    ", expected " + std::to_string(slot_numel(k, p)));
     }
     p.state = s;
     p.initialised = true;
@@ -192,6 +204,7 @@ class Optimizer {
   std::vector<float> state_values(std::size_t i, int k) const {
     const ParamState& s = at(i).state;
     std::vector<float> out(s.size(k));
+    if (out.empty()) return out;
     if (s.format[k] == StateFormat::float32) return s.state[k];
     if (s.format[k] == StateFormat::bfloat16) {
       for (std::size_t j = 0; j < out.size(); ++j) {
@@ -211,10 +224,20 @@ class Optimizer {
     std::uint16_t* param_bf16 = nullptr;
     const float* grad = nullptr;
     const std::uint16_t* grad16 = nullptr;
-    std::size_t numel = 0;
+    std::size_t numel = 0, rows = 0, cols = 0;
     ParamState state;
     bool initialised = false;
   };
+
+  // Elements of slot k of p (Traits::state_numel where the algorithm defines it).
+  template <class T>
+  static auto slot_numel_of(int k, const Param& p, int)
+      -> decltype(T::state_numel(k, p.numel, p.rows, p.cols)) {
+    return T::state_numel(k, p.numel, p.rows, p.cols);
+  }
+  template <class T>
+  static std::size_t slot_numel_of(int, const Param& p, long) { return p.numel; }
+  static std::size_t slot_numel(int k, const Param& p) { return slot_numel_of<Traits>(k, p, 0); }
 
   std::size_t add(float* param, std::uint16_t* param_bf16, const float* grad,
                   const std::uint16_t* grad16, std::size_t numel) {
@@ -258,16 +281,17 @@ class Optimizer {
   // A zeroed slot k in the parameter's format.
   void allocate(Param& p, int k) {
     ParamState& s = p.state;
-    s.format[k] = format_for(p.numel);
+    const std::size_t n = slot_numel(k, p);
+    s.format[k] = format_for(n);
     s.state[k].clear();
     s.bf16[k].clear();
     s.codes[k].clear();
     s.absmax[k].clear();
-    if (s.format[k] == StateFormat::float32) s.state[k].assign(p.numel, 0.0f);
-    if (s.format[k] == StateFormat::bfloat16) s.bf16[k].assign(p.numel, 0);
+    if (s.format[k] == StateFormat::float32) s.state[k].assign(n, 0.0f);
+    if (s.format[k] == StateFormat::bfloat16) s.bf16[k].assign(n, 0);
     if (s.format[k] == StateFormat::int8) {  // zeros: the code of 0 with any absmax
-      s.codes[k].assign(p.numel, static_cast<std::uint8_t>(is_signed(k) ? 127 : 0));
-      s.absmax[k].assign(quant_blocks(p.numel), 0.0f);
+      s.codes[k].assign(n, static_cast<std::uint8_t>(is_signed(k) ? 127 : 0));
+      s.absmax[k].assign(quant_blocks(n), 0.0f);
     }
   }
 
@@ -319,7 +343,7 @@ class Optimizer {
     t.numel = p.numel;
     for (int k = 0; k < ParamBuffers::kMaxState; ++k) {
       p.state.format[k] = StateFormat::float32;
-      if (Traits::uses_state(options_, k)) p.state.state[k].assign(p.numel, 0.0f);
+      if (Traits::uses_state(options_, k)) p.state.state[k].assign(slot_numel(k, p), 0.0f);
       t.state[k] = p.state.state[k].empty() ? nullptr : p.state.state[k].data();
     }
     for (int k = 0; k < ParamBuffers::kMaxScalar; ++k) t.scalar[k] = &p.state.scalar[k];

@@ -5,6 +5,7 @@
 #include <cstddef>
 
 #include "roundpipe/adadelta.hpp"
+#include "roundpipe/adafactor.hpp"
 #include "roundpipe/adagrad.hpp"
 #include "roundpipe/adam.hpp"
 #include "roundpipe/adamax.hpp"
@@ -37,6 +38,25 @@ struct AlgorithmTraits<AdadeltaOptions> : ZeroInitTraits<AdadeltaOptions, Adadel
 };
 /// Adadelta that owns its state; matches torch.optim.Adadelta.
 using Adadelta = Optimizer<AdadeltaOptions>;
+
+template <>
+struct AlgorithmTraits<AdafactorOptions>
+    : ZeroInitTraits<AdafactorOptions, AdafactorState, adafactor_step, 3> {
+  static constexpr const char* name = "Adafactor";
+  // A tensor of >= 2 dimensions (rows, cols given: ParamArrays) keeps the row and column
+  // factors, any other the whole variance.
+  static std::size_t state_numel(int slot, std::size_t numel, std::size_t rows,
+                                 std::size_t cols) {
+    const bool factored = rows != 0 || cols != 0;
+    if (slot == AdafactorState::variance) return factored ? 0 : numel;
+    if (!factored || numel == 0) return 0;
+    return slot == AdafactorState::row_var ? numel / cols : numel / rows;
+  }
+};
+/// Adafactor that owns its state; matches torch.optim.Adafactor. Register a tensor of two or
+/// more dimensions with add_param(ParamArrays{..., rows, cols}) (its last two sizes) for the
+/// factored second moment; add_param(param, grad, numel) makes it a vector.
+using Adafactor = Optimizer<AdafactorOptions>;
 
 template <>
 struct AlgorithmTraits<AdamaxOptions> : ZeroInitTraits<AdamaxOptions, AdamaxState, adamax_step, 2> {
