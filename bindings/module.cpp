@@ -317,7 +317,8 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
             if (states[k].size() == 0) continue;
             Tensor like = param;  // a factored algorithm's factors: the matrices' rows, columns
             if constexpr (Factored<State>::value) {
-              if (k < 2 && param.numel == 0) continue;  // nothing is read
+              // a tensor keeps either the factors or the variance: the other slots are None
+              if (states[k][i] == Py_None || (k < 2 && param.numel == 0)) continue;
               if (k < 2 && param.ndim >= 2) like.numel = param.numel / (k == 0 ? t.cols : t.rows);
             }
             const Tensor st = checked(present(states[k], name, i), name, state_names[k], i,

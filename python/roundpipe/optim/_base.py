@@ -255,11 +255,12 @@ class CpuOptimizer(Optimizer):
                 p = by_id.get(saved)
                 for key in self._state_keys:
                     v = p_state.get(key) if p is not None else None
-                    if torch.is_tensor(v) and v.shape != p.shape:
+                    if torch.is_tensor(v) and v.shape != self._state_shape(p, key):
                         raise ValueError(
                             f"roundpipe.optim.{type(self).__name__}.load_state_dict: state "
-                            f"{key!r} of parameter {saved} has shape {tuple(v.shape)}, the "
-                            f"parameter {tuple(p.shape)}")
+                            f"{key!r} of parameter {saved} has shape {tuple(v.shape)}, "
+                            f"expected {tuple(self._state_shape(p, key))} (the parameter's "
+                            f"{tuple(p.shape)})")
                     if torch.is_tensor(v) and v.dtype == torch.uint8:
                         compact.check_absmax(f"roundpipe.optim.{type(self).__name__}."
                                              "load_state_dict", saved, key, p_state, v)
@@ -305,6 +306,23 @@ class CpuOptimizer(Optimizer):
 
     def _active_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._state_keys
+
+    def _required_keys(self, active: tuple[str, ...]) -> tuple[str, ...]:
+        """The state keys whose absence from a parameter's (non-empty) state is torch's
+        KeyError, in torch's lookup order: the active per-element keys, then the 0-dim ones."""
+        return active + self._scalar_keys
+
+    @staticmethod
+    def _state_shape(p: torch.Tensor, key: str) -> torch.Size:
+        """The shape of ``p``'s per-element state ``key``: the parameter's (Adafactor's factors
+        differ)."""
+        return p.shape
+
+    @staticmethod
+    def _state_value(st: dict, key: str) -> Any:
+        """A parameter's state ``key`` for the kernel (KeyError if absent: the state is then
+        created, or torch's KeyError raised)."""
+        return st[key]
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict) -> None:
         """Fills the empty ``state`` of ``p`` as torch initialises most algorithms' state: each
@@ -361,9 +379,11 @@ class CpuOptimizer(Optimizer):
         state_of = self.state
         pstates = [None if g is None else state_of[p] for p, g in zip(params, grads)]
 
+        value = self._state_value
+
         def gather():  # per slot, the state of every parameter (None where skipped)
-            states = [[None if st is None else st[k] for st in pstates] if k in active else []
-                      for k in self._state_keys]
+            states = [[None if st is None else value(st, k) for st in pstates] if k in active
+                      else [] for k in self._state_keys]
             scalars = [[None if st is None else st[k] for st in pstates]
                        for k in self._scalar_keys]
             return states, scalars
@@ -375,7 +395,7 @@ class CpuOptimizer(Optimizer):
             # lacks a key the group needs (a damaged checkpoint, amsgrad switched on later) is
             # torch's KeyError naming the key, raised before anything is created or stepped.
             for st in pstates:
-                missing = [k for k in active + self._scalar_keys if st and k not in st]
+                missing = [k for k in self._required_keys(active) if st and k not in st]
                 if missing:
                     raise KeyError(missing[0]) from None
             for p, st in zip(params, pstates):
