@@ -13,223 +13,20 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
-#if defined(__GLIBCXX__)
-#include <cxxabi.h>
-#endif
-
-#include <unistd.h>
 
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 #include <string>
 #include <vector>
 
 #include "roundpipe/optim.hpp"
+#include "step_plan.hpp"
+#include "tensors.hpp"
 
 namespace nb = nanobind;
+using namespace rpbind;
 
 namespace {
-
-// torch's types and the attribute names read per tensor, looked up once (and kept for the
-// life of the process: they must outlive any call).
-struct Torch {
-  PyObject* tensor_type;
-  PyObject *float32, *bfloat16, *float16, *uint8, *strided;
-  PyObject *dtype, *is_cpu, *layout, *numel, *dim, *is_contiguous, *is_neg, *data_ptr, *device;
-};
-
-const Torch& torch_api() {
-  static const Torch* api = [] {
-    nb::module_ torch = nb::module_::import_("torch");
-    auto keep = [](nb::object o) { return o.release().ptr(); };
-    auto name = [](const char* n) { return PyUnicode_InternFromString(n); };
-    return new Torch{keep(torch.attr("Tensor")), keep(torch.attr("float32")),
-                     keep(torch.attr("bfloat16")), keep(torch.attr("float16")),
-                     keep(torch.attr("uint8")), keep(torch.attr("strided")), name("dtype"), name("is_cpu"), name("layout"),
-                     name("numel"), name("dim"), name("is_contiguous"), name("is_neg"), name("data_ptr"),
-                     name("device")};
-  }();
-  return *api;
-}
-
-std::string where(const char* fn, const char* arg, std::size_t i) {
-  return std::string(fn) + ": " + arg + "[" + std::to_string(i) + "]";
-}
-
-nb::object get(PyObject* obj, PyObject* name) {
-  PyObject* r = PyObject_GetAttr(obj, name);
-  if (!r) throw nb::python_error();
-  return nb::steal(r);
-}
-
-nb::object call(PyObject* obj, PyObject* name) {
-  PyObject* r = PyObject_CallMethodNoArgs(obj, name);
-  if (!r) throw nb::python_error();
-  return nb::steal(r);
-}
-
-std::string text(PyObject* obj) { return nb::cast<std::string>(nb::str(nb::handle(obj))); }
-
-// Which dtypes an argument accepts: float32 only; float32, bfloat16 or float16 (gradients,
-// model copies); float32 or bfloat16 (parameters with stochastic rounding); float32 (parameters
-// without: the message says how to allow bfloat16); float32, bfloat16 or uint8 (state:
-// float32, bfloat16 or int8 codes, roundpipe/compact.hpp).
-enum class Accept { float32, any_float, param, param_fp32, state };
-
-// A checked tensor: its data, size and element type (`codes`: uint8, int8 state codes).
-struct Tensor {
-  void* data;
-  std::size_t numel;
-  long ndim;
-  roundpipe::Dtype dtype;
-  bool codes = false;  // uint8 (int8 state codes)
-};
-
-const char* accepted(Accept a) {
-  switch (a) {
-    case Accept::float32: return "float32";
-    case Accept::any_float: return "float32, bfloat16 or float16";
-    case Accept::param: return "float32 or bfloat16";
-    case Accept::param_fp32:
-      return "float32 (bfloat16 parameters need stochastic rounding: stochastic_rounding=True)";
-    default: return "float32, bfloat16 or uint8 (int8 codes)";
-  }
-}
-
-// Checks one tensor and returns its data. `like` (if given) is the parameter it belongs to,
-// whose number of elements and of dimensions it must have; `read_dim` reads the dimension count
-// of a tensor that will serve as `like`. The shape itself is not compared:
-// reading it costs more than all other checks together; torch checks a gradient's shape when it
-// is assigned to .grad, and roundpipe.optim checks loaded state against the parameters.
-Tensor checked(PyObject* t, const char* fn, const char* arg, std::size_t i, Accept accept,
-               const Tensor* like, bool read_dim = false) {
-  const Torch& T = torch_api();
-  if (!PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(T.tensor_type)))
-    throw nb::type_error((where(fn, arg, i) + " must be a torch.Tensor, got " +
-                          Py_TYPE(t)->tp_name).c_str());
-  nb::object dtype = get(t, T.dtype);
-  Tensor out{nullptr, 0, 0, roundpipe::Dtype::float32};
-  if (dtype.ptr() == T.float32) {
-  } else if ((accept == Accept::any_float || accept == Accept::param ||
-              accept == Accept::state) && dtype.ptr() == T.bfloat16) {
-    out.dtype = roundpipe::Dtype::bfloat16;
-  } else if (accept == Accept::any_float && dtype.ptr() == T.float16) {
-    out.dtype = roundpipe::Dtype::float16;
-  } else if (accept == Accept::state && dtype.ptr() == T.uint8) {
-    out.codes = true;
-  } else {
-    throw nb::type_error((where(fn, arg, i) + " must be " + accepted(accept) + ", got " +
-                          text(dtype.ptr())).c_str());
-  }
-  if (get(t, T.is_cpu).ptr() != Py_True)
-    throw nb::type_error((where(fn, arg, i) + " must be a CPU tensor, got " +
-                          text(get(t, T.device).ptr())).c_str());
-  if (get(t, T.layout).ptr() != T.strided)
-    throw nb::type_error((where(fn, arg, i) + " must be a dense tensor, got " +
-                          text(get(t, T.layout).ptr())).c_str());
-  const Py_ssize_t numel = PyLong_AsSsize_t(call(t, T.numel).ptr());
-  if (numel < 0) throw nb::python_error();
-  out.numel = static_cast<std::size_t>(numel);
-  if (like || read_dim) {
-    out.ndim = PyLong_AsLong(call(t, T.dim).ptr());
-    if (out.ndim < 0) throw nb::python_error();
-  }
-  if (like && (out.numel != like->numel || out.ndim != like->ndim))
-    throw nb::value_error((where(fn, arg, i) + " must have the shape of params[" +
-                           std::to_string(i) + "] (" + std::to_string(like->numel) +
-                           " elements in " + std::to_string(like->ndim) + " dimensions), got " +
-                           std::to_string(out.numel) + " in " + std::to_string(out.ndim)).c_str());
-  if (numel > 1 && call(t, T.is_contiguous).ptr() != Py_True)
-    throw nb::value_error((where(fn, arg, i) + " must be contiguous").c_str());
-  if (call(t, T.is_neg).ptr() != Py_False)  // a lazily negated view: its memory holds -x
-    throw nb::value_error((where(fn, arg, i) + " is a negated view (is_neg()); pass "
-                           "t.resolve_neg()").c_str());
-  out.data = PyLong_AsVoidPtr(call(t, T.data_ptr).ptr());
-  if (PyErr_Occurred()) throw nb::python_error();
-  return out;
-}
-
-// A list argument: one entry per parameter (None marks a parameter without a gradient, which
-// the step skips; its entries in every other list must be None too).
-struct List {
-  nb::object seq;  // the fast sequence
-  const char* name;
-  std::size_t size() const { return static_cast<std::size_t>(PySequence_Fast_GET_SIZE(seq.ptr())); }
-  PyObject* operator[](std::size_t i) const { return PySequence_Fast_GET_ITEM(seq.ptr(), i); }
-};
-
-List as_list(nb::handle h, const char* fn, const char* name) {
-  if (!PyList_Check(h.ptr()) && !PyTuple_Check(h.ptr()))
-    throw nb::type_error((std::string(fn) + ": " + name + " must be a list, got " +
-                          Py_TYPE(h.ptr())->tp_name).c_str());
-  return List{nb::borrow(h), name};
-}
-
-void check_count(const char* fn, const List& l, std::size_t n) {
-  if (l.size() != n)
-    throw nb::value_error((std::string(fn) + ": " + l.name + " has " + std::to_string(l.size()) +
-                           " tensors, params has " + std::to_string(n)).c_str());
-}
-
-// The entry at i of a list whose entry must be present (params[i] is).
-PyObject* present(const List& l, const char* fn, std::size_t i) {
-  PyObject* t = l[i];
-  if (t == Py_None)
-    throw nb::value_error((where(fn, l.name, i) + " is None but params[" + std::to_string(i) +
-                           "] is not").c_str());
-  return t;
-}
-
-// Takes the GIL back after without_gil's call. When the interpreter is finalizing (a step ran in a
-// daemon thread while the main thread exited), CPython before 3.14 ends this thread with
-// pthread_exit, whose forced unwinding aborts the process ("terminate called without an active
-// exception") at the first noexcept frame (nanobind's gil_scoped_release destructor) or catch
-// (...) that does not rethrow (nanobind's dispatcher). The thread is parked instead, as CPython
-// 3.14 does itself: the step is done, it holds no lock, and the process exits normally.
-void take_gil(PyThreadState* state) {
-#if defined(__GLIBCXX__)
-  try {
-    PyEval_RestoreThread(state);
-  } catch (abi::__forced_unwind&) {
-    for (;;) pause();
-  }
-#else
-  PyEval_RestoreThread(state);
-#endif
-}
-
-// Runs fn() with the GIL released (the step's threads never need it).
-template <class Fn>
-void without_gil(Fn&& fn) {
-  PyThreadState* state = PyEval_SaveThread();
-  try {
-    fn();
-  } catch (...) {
-    take_gil(state);
-    throw;
-  }
-  take_gil(state);
-}
-
-template <class Options>
-using StepFn = void (*)(const Options&, const roundpipe::ParamBuffers*, std::size_t,
-                        roundpipe::StepIO*);
-
-// Whether an algorithm's step reads ParamBuffers::rows and cols (State::factored).
-template <class State, class = void>
-struct Factored : std::false_type {};
-template <class State>
-struct Factored<State, std::void_t<decltype(State::factored)>> : std::bool_constant<State::factored> {};
-
-// rows and cols of a tensor of two or more dimensions: its last two sizes.
-void read_matrix_shape(PyObject* t, long ndim, roundpipe::ParamBuffers& out) {
-  if (ndim < 2) return;
-  nb::object shape = nb::steal(PyObject_GetAttrString(t, "shape"));
-  if (!shape.ptr()) throw nb::python_error();
-  out.rows = nb::cast<std::size_t>(nb::handle(PyTuple_GetItem(shape.ptr(), ndim - 2)));
-  out.cols = nb::cast<std::size_t>(nb::handle(PyTuple_GetItem(shape.ptr(), ndim - 1)));
-}
 
 // Binds `fn` as `name(options, params, grads, states, scalars, model_copies=None, io=None,
 // num_threads=0)`. `states` holds one list per state slot, in slot order; `scalars` one list per
@@ -295,71 +92,23 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
         for (std::size_t i = 0; i < n; ++i) {
           PyObject* p = params[i];
           if (p == Py_None) continue;
-          roundpipe::ParamBuffers t;
-          const Tensor param = checked(p, name, "params", i,
-                                       bf16_params ? Accept::param : Accept::param_fp32, nullptr,
-                                       true);
-          if (param.dtype == roundpipe::Dtype::bfloat16)
-            t.param_bf16 = static_cast<std::uint16_t*>(param.data);
-          else
-            t.param = static_cast<float*>(param.data);
-          t.numel = param.numel;
-          if constexpr (Factored<State>::value) read_matrix_shape(p, param.ndim, t);
-          const Tensor g = checked(present(grads, name, i), name, "grads", i, Accept::any_float,
-                                   &param);
-          if (g.dtype == roundpipe::Dtype::float32) {
-            t.grad = static_cast<const float*>(g.data);
-          } else {
-            t.grad16 = static_cast<const std::uint16_t*>(g.data);
-            t.grad16_dtype = g.dtype;
-          }
-          for (std::size_t k = 0; k < states.size(); ++k) {
-            if (states[k].size() == 0) continue;
-            Tensor like = param;  // a factored algorithm's factors: the matrices' rows, columns
-            if constexpr (Factored<State>::value) {
-              // a tensor keeps either the factors or the variance: the other slots are None
-              if (states[k][i] == Py_None || (k < 2 && param.numel == 0)) continue;
-              if (k < 2 && param.ndim >= 2) like.numel = param.numel / (k == 0 ? t.cols : t.rows);
-            }
-            const Tensor st = checked(present(states[k], name, i), name, state_names[k], i,
-                                      Accept::state, &like);
-            if (st.codes) {
-              t.state_format[k] = roundpipe::StateFormat::int8;
-              t.packed_state[k] = st.data;
-              const List* am = k < absmax.size() && absmax[k].size() != 0 ? &absmax[k] : nullptr;
-              if (!am || (*am)[i] == Py_None)
-                throw nb::value_error((where(name, state_names[k], i) + " holds int8 codes "
-                                       "(uint8) but no absmax was given").c_str());
-              const Tensor a = checked((*am)[i], name, "absmax", i, Accept::float32, nullptr);
-              if (a.numel != roundpipe::quant_blocks(param.numel))
-                throw nb::value_error((where(name, "absmax", i) + " (" + state_names[k] +
-                                       ") must hold " +
-                                       std::to_string(roundpipe::quant_blocks(param.numel)) +
-                                       " values, one per block of " +
-                                       std::to_string(roundpipe::kQuantBlock) + " elements, got " +
-                                       std::to_string(a.numel)).c_str());
-              t.state_absmax[k] = static_cast<float*>(a.data);
-            } else if (st.dtype == roundpipe::Dtype::bfloat16) {
-              t.state_format[k] = roundpipe::StateFormat::bfloat16;
-              t.packed_state[k] = st.data;
-            } else {
-              t.state[k] = static_cast<float*>(st.data);
-            }
-          }
-          for (std::size_t k = 0; k < scalars.size(); ++k) {
-            if (scalars[k].size() == 0) continue;
-            const Tensor s = checked(present(scalars[k], name, i), name, scalar_names[k], i,
-                                     Accept::float32, nullptr);
-            if (s.numel != 1)
-              throw nb::value_error((where(name, scalar_names[k], i) + " must hold one element").c_str());
-            t.scalar[k] = static_cast<float*>(s.data);
-          }
-          if (copies) {
-            const Tensor c = checked(present(*copies, name, i), name, "model_copies", i,
-                                     Accept::any_float, &param);
-            t.model_copy = c.data;
-            t.model_copy_dtype = c.dtype;
-          }
+          // slot k's tensor: nullptr where no list is passed; None only for a factored
+          // algorithm's slot that the tensor does not use
+          auto entry = [&](const List& l) -> PyObject* {
+            if (l.size() == 0) return nullptr;
+            return Factored<State>::value && l[i] == Py_None ? Py_None : present(l, name, i);
+          };
+          PyObject* slot[roundpipe::ParamBuffers::kMaxState] = {};
+          PyObject* scale[roundpipe::ParamBuffers::kMaxState] = {};
+          PyObject* scalar[roundpipe::ParamBuffers::kMaxScalar] = {};
+          for (std::size_t k = 0; k < states.size(); ++k) slot[k] = entry(states[k]);
+          for (std::size_t k = 0; k < absmax.size(); ++k)
+            scale[k] = absmax[k].size() != 0 ? absmax[k][i] : nullptr;
+          for (std::size_t k = 0; k < scalars.size(); ++k)
+            scalar[k] = scalars[k].size() != 0 ? present(scalars[k], name, i) : nullptr;
+          roundpipe::ParamBuffers t = check_param<State>(
+              name, i, p, present(grads, name, i), slot, scale, scalar,
+              copies ? present(*copies, name, i) : nullptr, bf16_params);
           if (seeds) t.rounding_seed = nb::cast<std::uint64_t>(nb::handle((*seeds)[i]));
           tensors.push_back(t);
         }
@@ -378,8 +127,38 @@ std::string join(const Names& names) {
   return out;
 }
 
+// Binds `fn` as `<name>_plan(options, plan, params, opt_state, active, num_threads,
+// bf16_params, rounds, seed, first_index, seed_mix) -> bool`: the step over a param group's
+// StepPlan (step_plan.hpp); false, with nothing modified, when the list-based step must run.
+template <class Options, class State>
+void def_plan_step(nb::module_& m, const char* name, StepFn<Options> fn) {
+  const std::string plan_name = std::string(name) + "_plan";
+  m.def(
+      plan_name.c_str(),
+      [fn, name](const Options& options, StepPlan& plan, nb::handle params, nb::handle opt_state,
+                 unsigned active, int num_threads, bool bf16_params, bool rounds,
+                 std::uint64_t seed, std::size_t first_index, std::uint64_t seed_mix) {
+        const roundpipe::ThreadCountScope threads(num_threads);
+        if (!plan.prepare<State>(name, params, opt_state, active, bf16_params, rounds, seed,
+                                 first_index, seed_mix))
+          return false;
+        std::vector<roundpipe::ParamBuffers>& tensors = plan.tensors();
+        without_gil([&] { fn(options, tensors.data(), tensors.size(), nullptr); });
+        plan.mark_updated();
+        return true;
+      },
+      nb::arg("options"), nb::arg("plan"), nb::arg("params"), nb::arg("opt_state"),
+      nb::arg("active"), nb::arg("num_threads"), nb::arg("bf16_params"), nb::arg("rounds"),
+      nb::arg("seed"), nb::arg("first_index"), nb::arg("seed_mix"),
+      (plan_name + "(options, plan, params, opt_state, active, num_threads, bf16_params, rounds,\n"
+       "seed, first_index, seed_mix) -> bool: roundpipe::" + name + " over a param group's\n"
+       "StepPlan: `params` the group's list, `opt_state` the optimizer's state dict, `active` a\n"
+       "bit per state slot the group uses. False (nothing modified) when the list-based " + name +
+       "\nmust run instead: state to create, a tensor it would refuse.").c_str());
+}
+
 // Binds roundpipe::<Name>Options as `<Name>Options` (every field read-write, named as in C++)
-// and roundpipe::<name>_step as `<name>_step` (def_step).
+// and roundpipe::<name>_step as `<name>_step` (def_step) and `<name>_step_plan`.
 template <class Options, class State>
 void def_algorithm(nb::module_& m, const char* options_name, const char* step_name,
                    const char* header, StepFn<Options> fn) {
@@ -400,6 +179,7 @@ void def_algorithm(nb::module_& m, const char* options_name, const char* step_na
           "values; roundpipe/compact.hpp) and of 0-dim float32 scalars (a slot the options leave\n"
           "unused may be []), `rounding_seeds` one int per param (ParamBuffers::rounding_seed).\n"
           "A None in params skips that position (None there in every list).");
+  def_plan_step<Options, State>(m, step_name, fn);
 }
 
 }  // namespace
@@ -409,6 +189,15 @@ NB_MODULE(_C, m) {
       "RoundPipe CPU optimizer kernels (float32, CPU, contiguous tensors; gradients may also be\n"
       "bfloat16/float16). Every <algo>_step also takes model_copies=None (tensors receiving the\n"
       "updated parameters as float32/bfloat16/float16), io=None (a StepIO) and num_threads=0.";
+
+  nb::class_<StepPlan>(
+      m, "StepPlan",
+      "StepPlan(state_keys, scalar_specs): a param group's tensors checked once for\n"
+      "<algo>_step_plan, re-checked at each step only where they can change (bindings/\n"
+      "step_plan.hpp). state_keys: the state key of each slot; scalar_specs: per 0-dim slot, a\n"
+      "state key or a tensor shared by every parameter.")
+      .def(nb::init<std::vector<std::string>, nb::tuple>(), nb::arg("state_keys"),
+           nb::arg("scalar_specs"));
 
   nb::class_<roundpipe::StepIO>(
       m, "StepIO",

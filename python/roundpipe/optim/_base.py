@@ -364,8 +364,46 @@ class CpuOptimizer(Optimizer):
         raise NotImplementedError
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        """One kernel call over the group with the parameters' own ``.grad``."""
-        self._step_tensors(group, group["params"], [p.grad for p in group["params"]])
+        """One kernel call over the group with the parameters' own ``.grad``: through the
+        group's step plan (its tensors checked once, re-checked only where they can change:
+        bindings/step_plan.hpp) when it can take the step, else through the lists
+        (:meth:`_step_tensors`, which creates missing state and raises what is wrong)."""
+        if not self._step_planned(group):
+            self._step_tensors(group, group["params"], [p.grad for p in group["params"]])
+
+    def _plan_scalars(self, group: dict[str, Any]) -> tuple:
+        """Per 0-dim kernel slot, the state key that holds it (or a tensor shared by every
+        parameter)."""
+        return self._scalar_keys
+
+    def _step_planned(self, group: dict[str, Any]) -> bool:
+        """The step of ``group`` through its cached :class:`roundpipe._C.StepPlan`; False
+        (nothing modified) when the list-based step must run instead."""
+        params = group["params"]
+        if not isinstance(params, list):
+            return False
+        plans = self.__dict__.setdefault("_plans", {})
+        scalars = self._plan_scalars(group)
+        cached = plans.get(id(params))
+        if cached is None or cached[0] is not params or cached[1] != scalars:
+            plan = _C.StepPlan(list(self._state_keys), tuple(scalars))
+            cached = plans[id(params)] = (params, scalars, plan)
+        active = self._active_state_keys(group)
+        mask = sum(1 << k for k, key in enumerate(self._state_keys) if key in active)
+        memory = self._memory
+        counts_steps = bool(self._scalar_keys) and self._scalar_keys[0] == "step"
+        seed_mix = memory.calls + 1 if memory.rounds and not counts_steps else 0
+        first = self._rounding_index(params[0]) if params and memory.rounds else 0
+        done = self._plan_kernel(self._options(group), cached[2], params, self.state, mask,
+                                 self.num_threads or 0, memory.stochastic_rounding,
+                                 memory.rounds, memory.seed, first, seed_mix)
+        if done and seed_mix:
+            memory.calls = seed_mix
+        return done
+
+    @property
+    def _plan_kernel(self) -> Callable[..., bool]:
+        return getattr(_C, type(self)._kernel.__name__ + "_plan")
 
     def _step_tensors(self, group: dict[str, Any], params: list, grads: list,
                       model_copies: list | None = None, io: Any = None) -> None:

@@ -140,6 +140,13 @@ class SGD(CpuOptimizer):
         for p, st in created:
             self.state[p].update(st)
 
+    def _plan_scalars(self, group):
+        # the kernel's momentum-ready flag: every buffer in the state holds a value
+        return (_READY,) if group["momentum"] != 0 else ()
+
+    def _active_state_keys(self, group):
+        return self._state_keys if group["momentum"] != 0 else ()
+
     def _options(self, group):
         o = _C.SGDOptions()
         o.lr = scalar(group["lr"])
