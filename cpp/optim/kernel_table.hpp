@@ -27,9 +27,11 @@
 namespace roundpipe {
 namespace detail {
 
-// One algorithm's kernel: its update on elements [begin, end) of one tensor.
+// One algorithm's kernel: its update on elements [begin, end) of one tensor. The coefficients
+// and buffers are passed by value: the kernel's own copies, which its float stores cannot alias,
+// so their fields stay in registers across the loop instead of being reloaded after each store.
 template <class Coeffs>
-using KernelFn = void (*)(const Coeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+using KernelFn = void (*)(Coeffs, ParamBuffers, std::size_t begin, std::size_t end);
 
 struct KernelTable {
 #define ROUNDPIPE_KERNEL_ENTRY(name, Name) KernelFn<Name##Coeffs> name;
@@ -44,10 +46,9 @@ struct KernelTable {
   double (*adafactor_squares)(const float* x, std::size_t n, float* acc);
   void (*adafactor_lerp)(float* start, const float* end, std::size_t n, float weight,
                          bool from_end);
-  double (*adafactor_variance)(const AdafactorCoeffs&, const ParamBuffers&, std::size_t begin,
+  double (*adafactor_variance)(AdafactorCoeffs, ParamBuffers, std::size_t begin,
                                std::size_t end);
-  double (*adafactor_norm)(const AdafactorCoeffs&, const ParamBuffers&, std::size_t begin,
-                           std::size_t end);
+  double (*adafactor_norm)(AdafactorCoeffs, ParamBuffers, std::size_t begin, std::size_t end);
   // compact storage (kernels/compact.hpp)
   void (*widen_bf16)(const std::uint16_t* x, std::size_t n, float* out);
   void (*round_bf16)(const float* x, std::size_t n, std::uint32_t key, std::uint32_t first,

@@ -93,7 +93,7 @@ constexpr std::size_t kCompactStageElements = 1024;
 // algorithm's slot names, roundpipe/<name>.hpp) says which slots take the unsigned int8 map and
 // whether the tensor's step count (scalar slot 0) enters the rounding seed.
 template <class State, class Coeffs>
-void run_kernel(void (*kernel)(const Coeffs&, const ParamBuffers&, std::size_t, std::size_t),
+void run_kernel(KernelFn<Coeffs> kernel,
                 const Coeffs* coeffs, const ParamBuffers* tensors, std::size_t count,
                 StepIO* io) {
   auto numel = [&](std::size_t i) { return tensors[i].numel; };

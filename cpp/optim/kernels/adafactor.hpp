@@ -123,7 +123,7 @@ inline void for_each_factored_u(const detail::AdafactorCoeffs& c, const ParamBuf
 }
 
 // Unfactored: variance = lerp(variance, g * g, w) (stored), returns the sum of u^2.
-inline double adafactor_variance(const detail::AdafactorCoeffs& c, const ParamBuffers& t,
+inline double adafactor_variance(detail::AdafactorCoeffs c, ParamBuffers t,
                                  std::size_t begin, std::size_t end) {
   float* const variance = t.state[AdafactorState::variance];
   DoubleSum sum;
@@ -139,7 +139,7 @@ inline double adafactor_variance(const detail::AdafactorCoeffs& c, const ParamBu
 }
 
 // Factored: the sum of u^2.
-inline double adafactor_norm(const detail::AdafactorCoeffs& c, const ParamBuffers& t,
+inline double adafactor_norm(detail::AdafactorCoeffs c, ParamBuffers t,
                              std::size_t begin, std::size_t end) {
   DoubleSum sum;
   for_each_factored_u(c, t, begin, end, [&](auto, std::size_t, auto u) { sum.add(u * u); });
@@ -147,7 +147,7 @@ inline double adafactor_norm(const detail::AdafactorCoeffs& c, const ParamBuffer
 }
 
 // The update of param, from the variance (unfactored) or the factors.
-inline void adafactor_kernel(const detail::AdafactorCoeffs& c, const ParamBuffers& t,
+inline void adafactor_kernel(detail::AdafactorCoeffs c, ParamBuffers t,
                              std::size_t begin, std::size_t end) {
   auto apply = [&](auto tag, std::size_t i, auto u) {
     using V = decltype(tag);

@@ -28,6 +28,9 @@ struct Vec {
   // Non-temporal versions (p 32-byte aligned): for a write-only stream, no read for ownership.
   void stream_bf16(std::uint16_t* p) const { store16(p, bf16_bits(), true); }
   void stream_f16(std::uint16_t* p) const { store16(p, f16_bits(), true); }
+  // Non-temporal float32 store (p 64-byte aligned), for a write-only stream.
+  void stream(float* p) const { _mm512_stream_ps(p, v); }
+  static constexpr std::size_t stream_f32_align = 64;
   // Orders this thread's non-temporal stores before what follows.
   static void stream_fence() { _mm_sfence(); }
   static constexpr std::size_t stream_align = 32;

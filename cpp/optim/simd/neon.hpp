@@ -33,6 +33,8 @@ struct Vec {
   // No non-temporal stores here: the plain ones.
   void stream_bf16(std::uint16_t* p) const { store_bf16(p); }
   void stream_f16(std::uint16_t* p) const { store_f16(p); }
+  void stream(float* p) const { store(p); }
+  static constexpr std::size_t stream_f32_align = 1;
   // Orders this thread's non-temporal stores before what follows.
   static void stream_fence() {  }
   static constexpr std::size_t stream_align = 1;

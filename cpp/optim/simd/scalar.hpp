@@ -33,6 +33,8 @@ struct Scalar {
   void stream_bf16(std::uint16_t* p) const { store_bf16(p); }
   void stream_f16(std::uint16_t* p) const { store_f16(p); }
   static void stream_fence() {}
+  void stream(float* p) const { *p = v; }
+  static constexpr std::size_t stream_f32_align = 1;
   static constexpr std::size_t stream_align = 1;
   static Scalar set1(float x) { return {x}; }
 
