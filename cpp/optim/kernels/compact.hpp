@@ -2,13 +2,15 @@
 // bfloat16 parameter or of bfloat16 / int8 state read into a float32 buffer, and written back
 // (stochastic rounding; blockwise requantisation to the dynamic map).
 //
-// Quantising to the dynamic map: the decade of |y| (y = x / absmax) comes from six comparisons,
-// the bin inside it from one multiply and a floor (within a decade the map's values are the
-// centres of equal bins, so the bin holding |y| holds the nearest value), which gives the code
-// up to one place: a value near a decade's edge may be nearest to the neighbouring decade's
-// extreme value, and the float arithmetic may put |y| one bin off near a bin's edge. One
-// comparison with each of the code's two float32 midpoints (`bound`) then moves it to the
-// nearest code (the exhaustive test in cpp_tests/test_compact.cpp checks every float32).
+// Quantising to the dynamic map: the decade of |y| (y = x / absmax) comes from six comparisons
+// (its constants from an 8-entry table, a register permute), the bin inside it from one
+// multiply and a floor (within a decade the map's values are the centres of equal bins, so the
+// bin holding |y| holds the nearest value), which gives the code up to one place: a value near a
+// decade's edge may be nearest to the neighbouring decade's extreme value, and the float
+// arithmetic may put |y| one bin off near a bin's edge. Vectors with a lane in such a place are
+// compared with the code's two float32 midpoints (`bound`, two table gathers), which moves it to
+// the nearest code; the others (most) skip the gathers. The exhaustive test in
+// cpp_tests/test_compact.cpp checks every float32.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -25,12 +27,13 @@ namespace detail {
 struct QuantMap {
   float value[256];    // ascending
   float bound[257];    // code k holds (bound[k], bound[k + 1]]; bound[0] = -inf, bound[256] = inf
-  // per decade i = 0..6: its lower edge 10^(i-7), bins per unit 1 / width, the code of its
-  // first value (among the positive values), its number of bins minus one
-  float decade_low[7];
-  float bins_per_unit[7];
-  float first_code[7];
-  float last_bin[7];
+  // per decade i = 0..6 (8-entry tables for register permutes): its lower edge 10^(i-7), bins
+  // per unit 1 / width, the code of its first value (among the positive values), its number of
+  // bins minus one
+  float decade_low[8];
+  float bins_per_unit[8];
+  float first_code[8];
+  float last_bin[8];
   bool is_signed;
 };
 
@@ -67,27 +70,34 @@ namespace ROUNDPIPE_ISA_NS {
 // negative y as 0), as a float 0 .. 255. NaN gives some valid code.
 template <class V>
 inline V quantize_code(const detail::QuantMap& q, V y) {
-  const V zero = V::set1(0.0f);
+  const V zero = V::set1(0.0f), one = V::set1(1.0f);
   V a = q.is_signed ? abs(y) : select(y > zero, y, zero);
-  a = select(a < V::set1(1.0f), a, V::set1(1.0f));
-  V low = V::set1(q.decade_low[0]), scale = V::set1(q.bins_per_unit[0]),
-    first = V::set1(q.first_code[0]), last = V::set1(q.last_bin[0]);
-  for (int d = 1; d < 7; ++d) {
-    const auto in = a >= V::set1(q.decade_low[d]);
-    low = select(in, V::set1(q.decade_low[d]), low);
-    scale = select(in, V::set1(q.bins_per_unit[d]), scale);
-    first = select(in, V::set1(q.first_code[d]), first);
-    last = select(in, V::set1(q.last_bin[d]), last);
-  }
-  V bin = floor((a - low) * scale);
+  a = select(a < one, a, one);
+  V decade = zero;  // how many decade edges lie at or below a
+  for (int k = 1; k < 7; ++k) decade = decade + select(a >= V::set1(q.decade_low[k]), one, zero);
+  const V last = V::lookup8(q.last_bin, decade);
+  const V raw = (a - V::lookup8(q.decade_low, decade)) * V::lookup8(q.bins_per_unit, decade);
+  V bin = floor(raw);
+  const V frac = raw - bin;
   bin = select(bin > zero, bin, zero);  // also NaN -> 0
   bin = select(bin < last, bin, last);
+  const V first = V::lookup8(q.first_code, decade);
   V code;
   if (q.is_signed)
     code = select(y < zero, V::set1(126.0f) - first - bin, V::set1(128.0f) + first + bin);
   else
-    code = V::set1(1.0f) + first + bin;
-  const V one = V::set1(1.0f);
+    code = one + first + bin;
+  // Inside a bin, away from its edges, the bin's value is the nearest. Lanes elsewhere are
+  // checked against the code's two float32 midpoints, which moves them by at most one place:
+  // near a bin edge (float rounding); in a decade's first bin below 0.2 of it, where the midpoint
+  // with the decade below lies (decade widths grow 5-fold per bin: (low - 0.1 w + low + 0.5 w) /
+  // 2), which also covers the region below the lowest decade and the midpoint with 0; in a
+  // decade's last bin above 0.75 of it, where the top decade meets 1 (the last value is
+  // 1 - 0.5 w), or past its end (|y| at the next decade's edge, rounded into this one).
+  constexpr float kEdge = 1.0f / 1024;
+  const V inner = minimum(raw - V::set1(0.2f), last + V::set1(0.75f) - raw);
+  const V centre = abs(frac - V::set1(0.5f));
+  if (!V::any(inner < V::set1(kEdge)) && !V::any(centre > V::set1(0.5f - kEdge))) return code;
   code = select(V::lookup(q.bound + 1, code) < y, code + one, code);
   code = select(y <= V::lookup(q.bound, code), code - one, code);
   return code;

@@ -97,6 +97,10 @@ struct Vec {
   static Vec lookup(const float* table, Vec index) {
     return {_mm256_i32gather_ps(table, _mm256_cvttps_epi32(index.v), 4)};
   }
+  static Vec lookup8(const float* table, Vec index) {
+    return {_mm256_permutevar8x32_ps(_mm256_loadu_ps(table), _mm256_cvttps_epi32(index.v))};
+  }
+  static bool any(Mask m) { return _mm256_movemask_ps(m.m) != 0; }
 
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }

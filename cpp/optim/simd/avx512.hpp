@@ -90,6 +90,13 @@ struct Vec {
   static Vec lookup(const float* table, Vec index) {
     return {_mm512_i32gather_ps(_mm512_cvttps_epi32(index.v), table, 4)};
   }
+  // table[index] for an 8-entry table (index exact, 0 .. 7): a permute within registers.
+  static Vec lookup8(const float* table, Vec index) {
+    const __m512 t = _mm512_castps256_ps512(_mm256_loadu_ps(table));
+    return {_mm512_permutexvar_ps(_mm512_cvttps_epi32(index.v), t)};
+  }
+  // Whether any lane of a mask is set.
+  static bool any(Mask m) { return m.m != 0; }
 
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }

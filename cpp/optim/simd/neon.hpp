@@ -84,6 +84,8 @@ struct Vec {
     r = vsetq_lane_f32(table[vgetq_lane_u32(i, 3)], r, 3);
     return {r};
   }
+  static Vec lookup8(const float* table, Vec index) { return lookup(table, index); }
+  static bool any(Mask m) { return vmaxvq_u32(m.m) != 0; }
 
   friend Vec operator+(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {vsubq_f32(a.v, b.v)}; }

@@ -56,6 +56,10 @@ struct Scalar {
   static Scalar lookup(const float* table, Scalar index) {
     return {table[static_cast<std::uint32_t>(index.v)]};
   }
+  // table[index] for an 8-entry table (a register permute on the vector ISAs).
+  static Scalar lookup8(const float* table, Scalar index) { return lookup(table, index); }
+  // Whether any lane of a mask is set.
+  static bool any(Mask m) { return m; }
 
   friend Scalar operator+(Scalar a, Scalar b) { return {a.v + b.v}; }
   friend Scalar operator-(Scalar a, Scalar b) { return {a.v - b.v}; }

@@ -1,7 +1,9 @@
 """python -m roundpipe.bench: optimizer steps against their memory-bandwidth floor and torch
 (:mod:`roundpipe.bench.optim`, the default, with its options), or
 ``python -m roundpipe.bench pipeline [options]``: RoundPipe training with and without overlap
-(:mod:`roundpipe.bench.pipeline`)."""
+(:mod:`roundpipe.bench.pipeline`), or ``python -m roundpipe.bench memory [options]``: host bytes
+per parameter, step speed and convergence of each compact-storage option
+(:mod:`roundpipe.bench.memory`)."""
 
 import sys
 
@@ -12,5 +14,9 @@ if __name__ == "__main__":
         from .pipeline import main as pipeline_main
 
         pipeline_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "memory":
+        from .memory import main as memory_main
+
+        memory_main(sys.argv[2:])
     else:
         main()
