@@ -5,7 +5,8 @@ would: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment).
 
 Cases: ``train`` (every mode, replicated and sharded, results saved per mode), ``save``
 (train, then a DCP checkpoint), ``resume`` (load a DCP checkpoint, train on), ``fail`` (rank 1
-raises in its loss_fn in the second step).
+raises in its loss_fn in the second step), ``memory`` (peak host bytes per parameter, sharded,
+exact mode).
 """
 
 from __future__ import annotations
@@ -67,6 +68,39 @@ def wrap(shard: bool, seed_rank: int):
     return model, rpo.AdamW(model.optim_parameters(), lr=LR, eps=1e-3)
 
 
+def memory_per_parameter(layers: int = 12, hidden: int = 1024) -> float:
+    """Peak RSS over the parameter count of a bf16 model, fp32 AdamW, sharded, exact mode,
+    CPU device, after a warm-up of what does not grow with the model."""
+    import resource
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def run(net, steps):
+        model = roundpipe.RoundPipe(net, optim_dtype=torch.float32, device="cpu",
+                                    num_microbatch=4, process_group=dist.group.WORLD,
+                                    shard_optimizer=True)
+        opt = rpo.AdamW(model.optim_parameters(), lr=1e-4)
+        x = torch.randn(4, net[0][0].in_features if isinstance(net[0], nn.Sequential)
+                        else net[0].in_features).bfloat16()
+        for _ in range(steps):
+            model.forward_backward(input_args=(x,), loss_fn=lambda o: o.float().square().mean(),
+                                   optimizer=opt)
+        model.synchronize()
+
+    torch.set_num_threads(1)
+    run(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16), 2)
+    base = rss()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 model ever exists
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                                        nn.Linear(4 * hidden, hidden)) for _ in range(layers)])
+    torch.set_default_dtype(torch.float32)
+    n = sum(p.numel() for p in net.parameters())
+    run(net, 3)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base) / n
+
+
 def main() -> None:
     case, out = sys.argv[1], sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -97,6 +131,8 @@ def main() -> None:
         sd = model.state_dict()
         if rank == 0:
             torch.save(sd, f"{out}/resumed-{world}.pt")
+    elif case == "memory":
+        print(memory_per_parameter(), flush=True)
     elif case == "fail":
         model, opt = wrap(False, rank)
         train(model, opt, "step", range(1), rank, world)

@@ -129,6 +129,21 @@ def test_a_dcp_checkpoint_saved_at_2_ranks_continues_at_1_and_3(tmp_path):
     _close(torch.load(tmp_path / "resumed-3.pt"), ref)
 
 
+def test_host_bytes_per_parameter_per_rank_when_sharded(tmp_path):
+    """bf16 model copy (2 B) on every rank; optimizer copy, AdamW state and gradient (16 B)
+    split over the 2 ranks; exact mode, 12 layers, 100M parameters: <= 2 + 16 / 2 + 0.5."""
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    procs = [subprocess.Popen([sys.executable, RANKS, "memory", str(tmp_path)],
+                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    values = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        values.append(float(out.split()[-1]))
+    assert all(8 <= v <= 2 + 16 / 2 + 0.5 for v in values), values
+
+
 def test_an_exception_on_one_rank_fails_every_rank_without_a_hang(tmp_path):
     start = time.monotonic()
     (rc0, err0), (rc1, err1) = launch("fail", 2, tmp_path, timeout=120)

@@ -34,6 +34,7 @@ from torch import nn
 from .stats import Stats
 
 REDUCTIONS = ("mean", "sum")
+PIECE = 1 << 20  # elements per rank in one collective
 
 
 def _chunk_rows(rows: int, n: int, r: int) -> tuple[int, int]:
@@ -133,58 +134,58 @@ class Comm:
         return float(t)
 
     def reduce_scatter_rows(self, grads: Sequence[Optional[torch.Tensor]],
-                            shapes: Sequence[torch.Size], out: torch.Tensor) -> list[torch.Tensor]:
+                            shapes: Sequence[torch.Size], pool) -> list[torch.Tensor]:
         """Sums full gradients (None: zeros) over the ranks and returns this rank's rows of
-        each, fp32, as views into ``out`` (a flat fp32 buffer of :meth:`segment` elements)."""
-        seg = self.segment(shapes)
-        packed = torch.zeros(self.size * seg, dtype=torch.float32)
-        for r in range(self.size):
-            off = r * seg
-            for g, shape in zip(grads, shapes):
-                k, w = self._k_w(shape)
-                a, b = _chunk_rows(shape[0], self.size, r)
-                if g is not None and b > a:
-                    packed[off:off + (b - a) * w].view(b - a, *shape[1:]).copy_(g[a:b])
-                off += k * w
-        self._timed(dist.reduce_scatter_tensor, out, packed, group=self.group)
-        views, off = [], 0
-        for shape in shapes:
+        each, fp32 buffers of ``pool``. Each parameter goes in pieces of at most
+        :data:`PIECE` elements per rank: the pieces of every rank's rows packed side by side
+        into one reused buffer, then one collective, so no transient allocation (ours or the
+        transport's) is larger than a piece — large freed blocks would otherwise stay in
+        the C allocator's heap, measured at several bytes per parameter."""
+        out = []
+        for g, shape in zip(grads, shapes):
             k, w = self._k_w(shape)
             a, b = self.rows(shape)
-            views.append(out[off:off + (b - a) * w].view(b - a, *shape[1:]))
-            off += k * w
-        return views
+            seg = k * w
+            mine = pool.take((seg,), torch.float32)
+            flat = None if g is None else g.reshape(-1)
+            for lo in range(0, seg, PIECE):
+                q = min(PIECE, seg - lo)
+                send = pool.take((self.size * q,), torch.float32)
+                for r in range(self.size):
+                    start, stop = r * seg + lo, min(r * seg + lo + q, shape[0] * w)
+                    dst = send[r * q:(r + 1) * q]
+                    n = max(0, stop - start) if flat is not None else 0
+                    if n:
+                        dst[:n].copy_(flat[start:stop])
+                    if n < q:
+                        dst[n:].zero_()
+                self._timed(dist.reduce_scatter_tensor, mine[lo:lo + q], send, group=self.group)
+                pool.give(send)
+            out.append(mine[:(b - a) * w].view(b - a, *shape[1:]))
+        return out
 
     def all_gather_rows(self, params: Sequence[torch.Tensor]) -> None:
         """Each rank's rows of each (model-copy) parameter, written by that rank, copied into
-        every rank's whole parameter."""
-        if not params:
-            return
-        dtype = params[0].dtype
-        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        every rank's whole parameter, in pieces of at most :data:`PIECE` elements per rank
+        (see :meth:`reduce_scatter_rows`)."""
         for p in params:
-            groups.setdefault(p.dtype, []).append(p)
-        for dtype, ps in groups.items():
-            shapes = [p.shape for p in ps]
-            seg = self.segment(shapes)
-            mine = torch.zeros(seg, dtype=dtype)
-            off = 0
-            for p in ps:
-                k, w = self._k_w(p.shape)
-                a, b = self.rows(p.shape)
-                mine[off:off + (b - a) * w].copy_(p.detach()[a:b].reshape(-1))
-                off += k * w
-            gathered = torch.empty(self.size * seg, dtype=dtype)
-            self._timed(dist.all_gather_into_tensor, gathered, mine, group=self.group)
-            with torch.no_grad():
-                for r in range(self.size):
-                    off = r * seg
-                    for p in ps:
-                        k, w = self._k_w(p.shape)
-                        a, b = _chunk_rows(p.shape[0], self.size, r)
-                        if b > a:
-                            p.data[a:b].copy_(gathered[off:off + (b - a) * w].view(b - a, *p.shape[1:]))
-                        off += k * w
+            k, w = self._k_w(p.shape)
+            seg = k * w
+            flat = p.data.view(-1)
+            a = self.rows(p.shape)[0]
+            for lo in range(0, seg, PIECE):
+                q = min(PIECE, seg - lo)
+                mine = torch.zeros(q, dtype=p.dtype)
+                start, stop = a * w + lo, min(a * w + lo + q, self.rows(p.shape)[1] * w)
+                if stop > start:
+                    mine[:stop - start].copy_(flat[start:stop])
+                gathered = torch.empty(self.size * q, dtype=p.dtype)
+                self._timed(dist.all_gather_into_tensor, gathered, mine, group=self.group)
+                with torch.no_grad():
+                    for r in range(self.size):
+                        start, stop = r * seg + lo, min(r * seg + lo + q, p.shape[0] * w)
+                        if stop > start:
+                            flat[start:stop].copy_(gathered[r * q:r * q + stop - start])
 
     def gather_rows(self, shard: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The whole tensor of ``shape`` from every rank's rows ``shard`` (for a consolidated
@@ -343,18 +344,17 @@ class ShardedReduction(Reduction):
         rows = [i for i in indices if copies.rows[i] is not None]
         whole = [i for i in indices if copies.rows[i] is None]
         present = comm.present([i in got for i in indices])
-        out = copies.pool.take((comm.segment([copies.model[i].shape for i in rows]),),
-                               torch.float32)
         shards = comm.reduce_scatter_rows([got.get(i) for i in rows],
-                                          [copies.model[i].shape for i in rows], out)
-        small = {i: got[i].float() if i in got else torch.zeros(copies.model[i].shape)
+                                          [copies.model[i].shape for i in rows], copies.pool)
+        small = {i: got[i].float().clone() if i in got else torch.zeros(copies.model[i].shape)
                  for i in whole}
         comm.wait(comm.all_reduce(list(small.values())))
         reduced = dict(zip(rows, shards)) | small
         for i, ok in zip(indices, present):
-            if ok:
-                self.copies.accumulate(i, reduced[i], False)
-        copies.pool.give(out)
+            if ok:  # ours (pool buffers or fresh): taken as the gradient without a copy
+                copies.accumulate(i, reduced[i], True)
+            else:
+                copies.pool.give(reduced[i])
         if owned:
             for g in got.values():
                 copies.pool.give(g)

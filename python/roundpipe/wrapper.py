@@ -26,6 +26,7 @@ from .context import OptimizerCtx
 from .clipping import Clip
 from .distributed import REDUCTIONS, Comm, ReplicatedReduction, ShardedReduction
 from .grad_scaler import GradScaler
+from .host_buffers import tune_malloc
 from .param_copies import ParamCopies
 from .pipeline.execute import draw_call_seed, in_layer
 from .pipeline.run import Layout, Pass
@@ -160,6 +161,7 @@ class RoundPipe(nn.Module):
                              f"{grad_reduction!r}")
         self.process_group, self.shard_optimizer = process_group, shard_optimizer
         self.grad_reduction = grad_reduction
+        tune_malloc()
         self.module = model
         self.devices = parse_devices(device)
         self.device = self.devices[0]
