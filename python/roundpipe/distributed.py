@@ -68,9 +68,13 @@ class Comm:
         rank = dist.get_rank(group)
         if rank < 0:
             raise RuntimeError("RoundPipe: this process is not a member of process_group")
-        self.group, self.rank, self.size = group, rank, dist.get_world_size(group)
+        self.user_group, self.rank, self.size = group, rank, dist.get_world_size(group)
         self.mean, self.shard, self.stats = reduction == "mean", shard, stats
         self.backend = dist.get_backend(group)
+        # the gradients are reduced on the host: through gloo (a gloo group over the same
+        # ranks when the given one is NCCL; every rank creates it here, in the same order)
+        self.group = group if self.backend == "gloo" else dist.new_group(
+            dist.get_process_group_ranks(group), backend="gloo")
 
     # --- construction --------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """python -m roundpipe.bench: optimizer steps against their memory-bandwidth floor and torch
 (:mod:`roundpipe.bench.optim`, the default, with its options), or
 ``python -m roundpipe.bench pipeline [options]``: RoundPipe training with and without overlap
-(:mod:`roundpipe.bench.pipeline`)."""
+(:mod:`roundpipe.bench.pipeline`), or ``python -m roundpipe.bench distributed [options]``:
+data parallel ranks, communication and how much of it is hidden
+(:mod:`roundpipe.bench.distributed`)."""
 
 import sys
 
@@ -12,5 +14,9 @@ if __name__ == "__main__":
         from .pipeline import main as pipeline_main
 
         pipeline_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "distributed":
+        from .distributed import main as distributed_main
+
+        distributed_main(sys.argv[2:])
     else:
         main()
