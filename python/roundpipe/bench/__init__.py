@@ -109,6 +109,16 @@ class Figure:
     def as_dict(self) -> dict[str, float]:
         return {"median": self.median, "min": self.low, "max": self.high}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Figure":
+        """The inverse of :meth:`as_dict` (e.g. a figure read back from the JSON)."""
+        return cls(d["median"], d["min"], d["max"])
+
+    def text(self, digits: int = 1, unit: str = "") -> str:
+        """``median<unit> (min-max)``."""
+        return (f"{self.median:.{digits}f}{unit} ({self.low:.{digits}f}-"
+                f"{self.high:.{digits}f})")
+
 
 def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Figure:
     """``a[i] / b[i]`` per repeat (measured in the same round, so slow drift of the machine

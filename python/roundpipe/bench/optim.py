@@ -183,7 +183,7 @@ def _fig(row: dict, key: str) -> Figure:
 def format_row(r: dict) -> str:
     """One line of either table (see :data:`LEGEND`)."""
     floor, ours, best = _fig(r, "floor"), _fig(r, r["ours"]), _fig(r, r["best_other"])
-    frac, speed = Figure(**_unpack(r["floor_fraction"])), Figure(**_unpack(r["speedup"]))
+    frac, speed = Figure.from_dict(r["floor_fraction"]), Figure.from_dict(r["speedup"])
     name = r["best_other"].replace("torch ", "") if r["ours"] == "roundpipe" else ""
     line = (f"{r['algorithm']:9s} {r['label']:>10s} {r['bytes_per_element']:4d} "
             f"{floor.median:8.3f} {100 * floor.spread:3.0f}% {ours.median:8.3f} "
@@ -191,10 +191,6 @@ def format_row(r: dict) -> str:
             f"{100 * frac.median:5.0f}% {name:>17s} {best.median:8.3f} {100 * best.spread:3.0f}% "
             f"{speed.median:6.2f}x ({speed.low:.2f}-{speed.high:.2f})")
     return line + ("  within noise" if speed.contains(1.0) else "")
-
-
-def _unpack(d: dict) -> dict:
-    return {"median": d["median"], "low": d["min"], "high": d["max"]}
 
 
 HEADER = (f"{'algorithm':9s} {'layout':>10s} {'B/el':>4s} {'floor ns':>8s} {'spr':>4s} "
@@ -333,11 +329,10 @@ def main(argv=None) -> None:
     result = run(args.algorithms, args.layouts, args.threads, args.repeats, args.scale,
                  mixed_layout=None if args.mixed_layout == "none" else args.mixed_layout)
     m = result["matmul"]
-    alone, after, ratio = (Figure(**_unpack(m[k])) for k in ("alone_ms", "after_step_ms",
-                                                              "after_over_alone"))
-    print(f"512x512 matmul: {alone.median:.3f} ms alone ({alone.low:.3f}-{alone.high:.3f}), "
-          f"{after.median:.3f} ms right after a RoundPipe step ({after.low:.3f}-{after.high:.3f}): "
-          + compare(ratio, "the time alone"))
+    alone, after, ratio = (Figure.from_dict(m[k]) for k in ("alone_ms", "after_step_ms",
+                                                            "after_over_alone"))
+    print(f"512x512 matmul: {alone.text(3)} ms alone, {after.text(3)} ms right after a RoundPipe "
+          "step: " + compare(ratio, "the time alone"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -121,10 +121,6 @@ def run(args) -> dict:
     return {"config": vars(args), "parameters": parameters, "threads": threads, "rows": rows}
 
 
-def _fig(d: dict, digits: int = 3) -> str:
-    return f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m roundpipe.bench overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -153,10 +149,10 @@ def main(argv=None) -> None:
     print(f"{'contender':<13}{'ms/call (min-max)':>26}{'over torch ms (min-max)':>28}"
           f"{'x torch':>22}")
     for r in result["rows"]:
-        over = _fig(r["over_torch_ms"]) if "over_torch_ms" in r else "-"
-        ratio = (f"{r['x_torch']['median']:.2f}x ({r['x_torch']['min']:.2f}-"
-                 f"{r['x_torch']['max']:.2f})") if "x_torch" in r else "-"
-        print(f"{r['contender']:<13}{_fig(r['ms_per_call']):>26}{over:>28}{ratio:>22}")
+        over = Figure.from_dict(r["over_torch_ms"]).text(3) if "over_torch_ms" in r else "-"
+        ratio = Figure.from_dict(r["x_torch"]).text(2, "x") if "x_torch" in r else "-"
+        print(f"{r['contender']:<13}{Figure.from_dict(r['ms_per_call']).text(3):>26}{over:>28}"
+              f"{ratio:>22}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -341,8 +341,7 @@ def print_table(rows: list[dict], cuda: bool, peak) -> None:
     def fig(r, key, unit="", digits=1):
         if r.get(key) is None:
             return "-"
-        lo, hi = r[key + "_range"]
-        return f"{r[key]:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
+        return Figure(r[key], *r[key + "_range"]).text(digits, unit)
 
     def ratio(x):
         return "-" if x is None else f"{x:.2f}x"
