@@ -13,10 +13,14 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>
+#endif
 
-#include <optional>
+#include <unistd.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -159,29 +163,60 @@ PyObject* present(const List& l, const char* fn, std::size_t i) {
   return t;
 }
 
+// Takes the GIL back after without_gil's call. When the interpreter is finalizing (a step ran in a
+// daemon thread while the main thread exited), CPython before 3.14 ends this thread with
+// pthread_exit, whose forced unwinding aborts the process ("terminate called without an active
+// exception") at the first noexcept frame (nanobind's gil_scoped_release destructor) or catch
+// (...) that does not rethrow (nanobind's dispatcher). The thread is parked instead, as CPython
+// 3.14 does itself: the step is done, it holds no lock, and the process exits normally.
+void take_gil(PyThreadState* state) {
+#if defined(__GLIBCXX__)
+  try {
+    PyEval_RestoreThread(state);
+  } catch (abi::__forced_unwind&) {
+    for (;;) pause();
+  }
+#else
+  PyEval_RestoreThread(state);
+#endif
+}
+
+// Runs fn() with the GIL released (the step's threads never need it).
+template <class Fn>
+void without_gil(Fn&& fn) {
+  PyThreadState* state = PyEval_SaveThread();
+  try {
+    fn();
+  } catch (...) {
+    take_gil(state);
+    throw;
+  }
+  take_gil(state);
+}
+
 template <class Options>
 using StepFn = void (*)(const Options&, const roundpipe::ParamBuffers*, std::size_t,
                         roundpipe::StepIO*);
 
-// Binds `fn` as `name(options, params, grads, states, scalars, model_copies=None, io=None)`.
-// `states` holds one list per state slot, in slot order and named by state_names; `scalars` one
-// list per 0-dim state slot, named by scalar_names (scalars[0]: the steps, or SGD's
-// momentum-buffer flags). In both, an empty or missing trailing list means the slot is not
-// passed (its pointers stay null, which the step accepts only for a slot its options leave
-// unused). Gradients may be float32, bfloat16 or float16; model_copies (float32, bfloat16 or
-// float16) receive the updated parameters; `io` (StepIO) scales gradients and reports found_inf
-// and the squared gradient norm (roundpipe/step_io.hpp). `num_threads` > 0 runs this call on that
-// many threads instead of num_threads() (a per-optimizer thread count).
-template <class Options>
-void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
-              std::vector<const char*> state_names, std::vector<const char*> scalar_names,
-              const char* doc) {
+// Binds `fn` as `name(options, params, grads, states, scalars, model_copies=None, io=None,
+// num_threads=0)`. `states` holds one list per state slot, in slot order; `scalars` one list per
+// 0-dim state slot (scalars[0]: the steps, or SGD's momentum-buffer flags); the slots are
+// State's (e.g. roundpipe::AdamState), whose names the messages use (`exp_avg_sq[3]`: parameter
+// 3's exp_avg_sq). In both, an empty or missing trailing list means the slot is not passed (its
+// pointers stay null, which the step accepts only for a slot its options leave unused).
+// Gradients may be float32, bfloat16 or float16; model_copies (float32, bfloat16 or float16)
+// receive the updated parameters; `io` (StepIO) scales gradients and reports found_inf and the
+// squared gradient norm (roundpipe/step_io.hpp). `num_threads` > 0 runs this call on that many
+// threads instead of num_threads() (a per-optimizer thread count).
+template <class Options, class State>
+void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::string& doc) {
   m.def(
       name,
-      [fn, name, state_names, scalar_names](const Options& options, nb::handle params_arg,
-                                            nb::handle grads_arg, nb::handle states_arg,
-                                            nb::handle scalars_arg, nb::handle copies_arg,
-                                            roundpipe::StepIO* io, int num_threads) {
+      [fn, name](const Options& options, nb::handle params_arg, nb::handle grads_arg,
+                 nb::handle states_arg, nb::handle scalars_arg, nb::handle copies_arg,
+                 roundpipe::StepIO* io, int num_threads) {
+        constexpr auto& state_names = State::state_names;
+        constexpr auto& scalar_names = State::scalar_names;
         const roundpipe::ThreadCountScope threads(num_threads);
         const List params = as_list(params_arg, name, "params");
         const List grads = as_list(grads_arg, name, "grads");
@@ -245,12 +280,39 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn,
           }
           tensors.push_back(t);
         }
-        nb::gil_scoped_release release;
-        fn(options, tensors.data(), tensors.size(), io);
+        without_gil([&] { fn(options, tensors.data(), tensors.size(), io); });
       },
       nb::arg("options"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
       nb::arg("scalars"), nb::arg("model_copies") = nb::none(), nb::arg("io").none() = nb::none(),
-      nb::arg("num_threads") = 0, doc);
+      nb::arg("num_threads") = 0, doc.c_str());
+}
+
+template <class Names>
+std::string join(const Names& names) {
+  std::string out;
+  for (const char* n : names) out += (out.empty() ? "" : ", ") + std::string(n);
+  return out;
+}
+
+// Binds roundpipe::<Name>Options as `<Name>Options` (every field read-write, named as in C++)
+// and roundpipe::<name>_step as `<name>_step` (def_step).
+template <class Options, class State>
+void def_algorithm(nb::module_& m, const char* options_name, const char* step_name,
+                   const char* header, StepFn<Options> fn) {
+  const std::string doc = std::string("roundpipe::") + options_name + " (" + header +
+                          "): the hyperparameters, named and defaulted as in torch.optim.";
+  nb::class_<Options> options(m, options_name, doc.c_str());
+  options.def(nb::init<>());
+  Options::for_each_field([&](const char* field, auto member) { options.def_rw(field, member); });
+  def_step<Options, State>(
+      m, step_name, fn,
+      std::string(step_name) + "(options, params, grads, [" + join(State::state_names) + "], [" +
+          join(State::scalar_names) + "], model_copies=None, io=None, num_threads=0):\n"
+          "roundpipe::" + step_name + " (" + header + ") over lists of CPU tensors, one entry per\n"
+          "parameter: float32 params, float32/bfloat16/float16 grads, per-slot lists of float32\n"
+          "state tensors shaped like the params and of 0-dim float32 scalars (a slot the options\n"
+          "leave unused may be []). A None in params skips that position (None there in every\n"
+          "list).");
 }
 
 }  // namespace
@@ -268,180 +330,16 @@ NB_MODULE(_C, m) {
       "bfloat16/float16 gradient or model copy) selects the fused mixed-precision pass.")
       .def(nb::init<>())
       .def_rw("grad_scale", &roundpipe::StepIO::grad_scale)
+      .def_rw("grad_clip", &roundpipe::StepIO::grad_clip)
       .def_rw("want_grad_norm", &roundpipe::StepIO::want_grad_norm)
       .def_rw("found_inf", &roundpipe::StepIO::found_inf)
       .def_rw("grad_norm_sq", &roundpipe::StepIO::grad_norm_sq);
 
-  nb::class_<roundpipe::AdamOptions>(m, "AdamOptions", "roundpipe::AdamOptions (torch.optim.Adam's hyperparameters).")
-      .def(nb::init<>())
-      .def_rw("lr", &roundpipe::AdamOptions::lr)
-      .def_rw("beta1", &roundpipe::AdamOptions::beta1)
-      .def_rw("beta2", &roundpipe::AdamOptions::beta2)
-      .def_rw("eps", &roundpipe::AdamOptions::eps)
-      .def_rw("weight_decay", &roundpipe::AdamOptions::weight_decay)
-      .def_rw("amsgrad", &roundpipe::AdamOptions::amsgrad)
-      .def_rw("maximize", &roundpipe::AdamOptions::maximize)
-      .def_rw("decoupled_weight_decay", &roundpipe::AdamOptions::decoupled_weight_decay);
-  def_step<roundpipe::AdamOptions>(
-      m, "adam_step", &roundpipe::adam_step, {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"},
-      {"steps"},
-      "adam_step(options, params, grads, [exp_avgs, exp_avg_sqs, max_exp_avg_sqs], [steps]):\n"
-      "one Adam step (torch.optim.Adam semantics) over lists of float32 CPU tensors; steps are\n"
-      "the 0-dim float32 step counts, incremented. max_exp_avg_sqs may be [] unless amsgrad.\n"
-      "A None in params skips that position (None there in every list).");
-
-  nb::class_<roundpipe::AdadeltaOptions>(m, "AdadeltaOptions", "roundpipe::AdadeltaOptions (torch.optim.Adadelta's hyperparameters).")
-      .def(nb::init<>())
-      .def_rw("lr", &roundpipe::AdadeltaOptions::lr)
-      .def_rw("rho", &roundpipe::AdadeltaOptions::rho)
-      .def_rw("eps", &roundpipe::AdadeltaOptions::eps)
-      .def_rw("weight_decay", &roundpipe::AdadeltaOptions::weight_decay)
-      .def_rw("maximize", &roundpipe::AdadeltaOptions::maximize);
-  def_step<roundpipe::AdadeltaOptions>(
-      m, "adadelta_step", &roundpipe::adadelta_step, {"square_avgs", "acc_deltas"}, {"steps"},
-      "adadelta_step(options, params, grads, [square_avgs, acc_deltas], [steps]):\n"
-      "one Adadelta step (torch.optim.Adadelta semantics) over lists of float32 CPU tensors;\n"
-      "steps are the 0-dim float32 step counts, incremented.\n"
-      "A None in params skips that position (None there in every list).");
-
-  nb::class_<roundpipe::AdamaxOptions>(m, "AdamaxOptions", "roundpipe::AdamaxOptions (torch.optim.Adamax's hyperparameters).")
-      .def(nb::init<>())
-      .def_rw("lr", &roundpipe::AdamaxOptions::lr)
-      .def_rw("beta1", &roundpipe::AdamaxOptions::beta1)
-      .def_rw("beta2", &roundpipe::AdamaxOptions::beta2)
-      .def_rw("eps", &roundpipe::AdamaxOptions::eps)
-      .def_rw("weight_decay", &roundpipe::AdamaxOptions::weight_decay)
-      .def_rw("maximize", &roundpipe::AdamaxOptions::maximize);
-  def_step<roundpipe::AdamaxOptions>(
-      m, "adamax_step", &roundpipe::adamax_step, {"exp_avgs", "exp_infs"}, {"steps"},
-      "adamax_step(options, params, grads, [exp_avgs, exp_infs], [steps]):\n"
-      "one Adamax step (torch.optim.Adamax semantics) over lists of float32 CPU tensors;\n"
-      "steps are the 0-dim float32 step counts, incremented.\n"
-      "A None in params skips that position (None there in every list).");
-
-  nb::class_<roundpipe::AsgdOptions>(m, "AsgdOptions", "roundpipe::AsgdOptions (torch.optim.ASGD's hyperparameters).")
-      .def(nb::init<>())
-      .def_rw("lr", &roundpipe::AsgdOptions::lr)
-      .def_rw("lambd", &roundpipe::AsgdOptions::lambd)
-      .def_rw("alpha", &roundpipe::AsgdOptions::alpha)
-      .def_rw("t0", &roundpipe::AsgdOptions::t0)
-      .def_rw("weight_decay", &roundpipe::AsgdOptions::weight_decay)
-      .def_rw("maximize", &roundpipe::AsgdOptions::maximize);
-  def_step<roundpipe::AsgdOptions>(
-      m, "asgd_step", &roundpipe::asgd_step, {"axs"}, {"steps", "etas", "mus"},
-      "asgd_step(options, params, grads, [axs], [steps, etas, mus]):\n"
-      "one ASGD step (torch.optim.ASGD semantics) over lists of float32 CPU tensors; steps,\n"
-      "etas and mus are 0-dim float32 tensors: steps incremented, the update uses the stored\n"
-      "eta and mu, which are then replaced by the next step's values.\n"
-      "A None in params skips that position (None there in every list).");
-
-  nb::class_<roundpipe::NAdamOptions>(m, "NAdamOptions", "roundpipe::NAdamOptions (torch.optim.NAdam's hyperparameters).")
-      .def(nb::init<>())
-      .def_rw("lr", &roundpipe::NAdamOptions::lr)
-      .def_rw("beta1", &roundpipe::NAdamOptions::beta1)
-      .def_rw("beta2", &roundpipe::NAdamOptions::beta2)
-      .def_rw("eps", &roundpipe::NAdamOptions::eps)
-      .def_rw("weight_decay", &roundpipe::NAdamOptions::weight_decay)
-      .def_rw("momentum_decay", &roundpipe::NAdamOptions::momentum_decay)
-      .def_rw("decoupled_weight_decay", &roundpipe::NAdamOptions::decoupled_weight_decay)
-      .def_rw("maximize", &roundpipe::NAdamOptions::maximize);
-  def_step<roundpipe::NAdamOptions>(
-      m, "nadam_step", &roundpipe::nadam_step, {"exp_avgs", "exp_avg_sqs"},
-      {"steps", "mu_products"},
-      "nadam_step(options, params, grads, [exp_avgs, exp_avg_sqs], [steps, mu_products]):\n"
-      "one NAdam step (torch.optim.NAdam semantics) over lists of float32 CPU tensors; steps\n"
-      "(incremented) and mu_products (multiplied by mu_t) are 0-dim float32 tensors.\n"
-      "A None in params skips that position (None there in every list).");
-
-  nb::class_<roundpipe::RAdamOptions>(m, "RAdamOptions", "roundpipe::RAdamOptions (torch.optim.RAdam's hyperparameters).")
-      .def(nb::init<>())
-      .def_rw("lr", &roundpipe::RAdamOptions::lr)
-      .def_rw("beta1", &roundpipe::RAdamOptions::beta1)
-      .def_rw("beta2", &roundpipe::RAdamOptions::beta2)
-      .def_rw("eps", &roundpipe::RAdamOptions::eps)
-      .def_rw("weight_decay", &roundpipe::RAdamOptions::weight_decay)
-      .def_rw("decoupled_weight_decay", &roundpipe::RAdamOptions::decoupled_weight_decay)
-      .def_rw("maximize", &roundpipe::RAdamOptions::maximize);
-  def_step<roundpipe::RAdamOptions>(
-      m, "radam_step", &roundpipe::radam_step, {"exp_avgs", "exp_avg_sqs"}, {"steps"},
-      "radam_step(options, params, grads, [exp_avgs, exp_avg_sqs], [steps]):\n"
-      "one RAdam step (torch.optim.RAdam semantics) over lists of float32 CPU tensors; steps\n"
-      "are the 0-dim float32 step counts, incremented.\n"
-      "A None in params skips that position (None there in every list).");
-
-  nb::class_<roundpipe::RpropOptions>(m, "RpropOptions", "roundpipe::RpropOptions (torch.optim.Rprop's hyperparameters).")
-      .def(nb::init<>())
-      .def_rw("lr", &roundpipe::RpropOptions::lr)
-      .def_rw("etaminus", &roundpipe::RpropOptions::etaminus)
-      .def_rw("etaplus", &roundpipe::RpropOptions::etaplus)
-      .def_rw("step_size_min", &roundpipe::RpropOptions::step_size_min)
-      .def_rw("step_size_max", &roundpipe::RpropOptions::step_size_max)
-      .def_rw("maximize", &roundpipe::RpropOptions::maximize);
-  def_step<roundpipe::RpropOptions>(
-      m, "rprop_step", &roundpipe::rprop_step, {"prevs", "step_sizes"}, {"steps"},
-      "rprop_step(options, params, grads, [prevs, step_sizes], [steps]):\n"
-      "one Rprop step (torch.optim.Rprop semantics) over lists of float32 CPU tensors; the\n"
-      "caller creates step_sizes filled with lr (options.lr is not read); steps are the 0-dim\n"
-      "float32 step counts, incremented.\n"
-      "A None in params skips that position (None there in every list).");
-
-  nb::class_<roundpipe::SGDOptions>(m, "SGDOptions", "roundpipe::SGDOptions (torch.optim.SGD's hyperparameters).")
-      .def(nb::init<>())
-      .def_rw("lr", &roundpipe::SGDOptions::lr)
-      .def_rw("momentum", &roundpipe::SGDOptions::momentum)
-      .def_rw("dampening", &roundpipe::SGDOptions::dampening)
-      .def_rw("weight_decay", &roundpipe::SGDOptions::weight_decay)
-      .def_rw("nesterov", &roundpipe::SGDOptions::nesterov)
-      .def_rw("maximize", &roundpipe::SGDOptions::maximize);
-  def_step<roundpipe::SGDOptions>(
-      m, "sgd_step", &roundpipe::sgd_step, {"momentum_buffers"}, {"momentum_buffer_ready"},
-      "sgd_step(options, params, grads, [momentum_buffers], [momentum_buffer_ready]):\n"
-      "one SGD step (torch.optim.SGD semantics) over lists of float32 CPU tensors.\n"
-      "momentum_buffer_ready holds 0-dim float32 flags: 0 means the buffer holds no value yet\n"
-      "(the step copies the decayed gradient into it and sets the flag to 1), 1 that it holds\n"
-      "the running momentum; a flag is written only when it changes. Pass [], [] when momentum\n"
-      "is 0. A None in params skips that position (None there in every list).");
-
-  nb::class_<roundpipe::AdagradOptions>(m, "AdagradOptions", "roundpipe::AdagradOptions (torch.optim.Adagrad's hyperparameters but initial_accumulator_value,\nwhich is the value state_sums start with).")
-      .def(nb::init<>())
-      .def_rw("lr", &roundpipe::AdagradOptions::lr)
-      .def_rw("lr_decay", &roundpipe::AdagradOptions::lr_decay)
-      .def_rw("weight_decay", &roundpipe::AdagradOptions::weight_decay)
-      .def_rw("eps", &roundpipe::AdagradOptions::eps)
-      .def_rw("maximize", &roundpipe::AdagradOptions::maximize);
-  def_step<roundpipe::AdagradOptions>(
-      m, "adagrad_step", &roundpipe::adagrad_step, {"state_sums"}, {"steps"},
-      "adagrad_step(options, params, grads, [state_sums], [steps]):\n"
-      "one Adagrad step (torch.optim.Adagrad semantics) over lists of float32 CPU tensors; steps\n"
-      "are the 0-dim float32 step counts, incremented. A None in params skips that position\n"
-      "(None there in every list).");
-
-  nb::class_<roundpipe::RMSpropOptions>(m, "RMSpropOptions", "roundpipe::RMSpropOptions (torch.optim.RMSprop's hyperparameters).")
-      .def(nb::init<>())
-      .def_rw("lr", &roundpipe::RMSpropOptions::lr)
-      .def_rw("alpha", &roundpipe::RMSpropOptions::alpha)
-      .def_rw("eps", &roundpipe::RMSpropOptions::eps)
-      .def_rw("weight_decay", &roundpipe::RMSpropOptions::weight_decay)
-      .def_rw("momentum", &roundpipe::RMSpropOptions::momentum)
-      .def_rw("centered", &roundpipe::RMSpropOptions::centered)
-      .def_rw("maximize", &roundpipe::RMSpropOptions::maximize);
-  def_step<roundpipe::RMSpropOptions>(
-      m, "rmsprop_step", &roundpipe::rmsprop_step, {"square_avgs", "momentum_buffers", "grad_avgs"},
-      {"steps"},
-      "rmsprop_step(options, params, grads, [square_avgs, momentum_buffers, grad_avgs], [steps]):\n"
-      "one RMSprop step (torch.optim.RMSprop semantics) over lists of float32 CPU tensors; steps\n"
-      "are the 0-dim float32 step counts, incremented. momentum_buffers may be [] unless\n"
-      "momentum > 0, grad_avgs [] unless centered. A None in params skips that position (None\n"
-      "there in every list).");
-
-  nb::class_<roundpipe::StreamOptions>(m, "StreamOptions", "roundpipe::StreamOptions (state arrays streamed).")
-      .def(nb::init<>())
-      .def_rw("states", &roundpipe::StreamOptions::states);
-  def_step<roundpipe::StreamOptions>(
-      m, "stream_step", &roundpipe::stream_step, {"state0s", "state1s", "state2s"}, {},
-      "stream_step(options, params, grads, [state0s, ...], []): the memory-traffic floor of a\n"
-      "step with options.states state arrays (reads param, grad, states; writes param, states;\n"
-      "one add per element). For benchmarks; the values written are meaningless.");
+#define ROUNDPIPE_BIND(name, Name)                                                      \
+  def_algorithm<roundpipe::Name##Options, roundpipe::Name##State>(                           \
+      m, #Name "Options", #name "_step", "roundpipe/" #name ".hpp", &roundpipe::name##_step);
+  ROUNDPIPE_STEP_FUNCTIONS(ROUNDPIPE_BIND)
+#undef ROUNDPIPE_BIND
 
   m.def("supported_isas", [] {
     std::vector<std::string> out;

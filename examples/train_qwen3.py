@@ -151,15 +151,16 @@ def add_lora(model, r: int):
 
 # --- checkpoints -------------------------------------------------------------------------------------
 
-def save_checkpoint(folder: pathlib.Path, model, opt, schedule, gen, step: int, history: dict,
-                    tokenizer, args) -> None:
+def save_checkpoint(folder: pathlib.Path, model, opt, schedule, scaler, gen, step: int,
+                    history: dict, tokenizer, args) -> None:
     """Everything --resume needs, written to a temporary folder then renamed (a crash while
     saving keeps the previous checkpoint)."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": schedule.state_dict(), "torch_rng": torch.get_rng_state(),
+                "scheduler": schedule.state_dict(), "scaler": scaler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
                 "data_rng": gen.get_state(), "history": history,
                 "args": {k: str(v) for k, v in vars(args).items()}}, tmp / "trainer_state.pt")
     tokenizer.save_pretrained(tmp)
@@ -167,11 +168,12 @@ def save_checkpoint(folder: pathlib.Path, model, opt, schedule, gen, step: int, 
     os.replace(tmp, folder)
 
 
-def load_checkpoint(folder: pathlib.Path, model, opt, schedule, gen) -> tuple[int, dict]:
+def load_checkpoint(folder: pathlib.Path, model, opt, schedule, scaler, gen) -> tuple[int, dict]:
     state = torch.load(folder / "trainer_state.pt", weights_only=False)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state.get("scaler", {}) or scaler.state_dict())
     torch.set_rng_state(state["torch_rng"])
     gen.set_state(state["data_rng"])
     return state["step"], state["history"]
@@ -205,6 +207,8 @@ def parse_args():
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay)")
     ap.add_argument("--warmup", type=int, default=15, help="linear warm-up steps")
     ap.add_argument("--weight-decay", type=float, default=0.05)
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="clip gradients to this global L2 norm (inside the optimizer step)")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="dtype of the model copy, the compute dtype (the optimizer copies are "
                          "float32); auto: bf16 where the device has it natively, else fp32")
@@ -292,11 +296,13 @@ def main() -> None:
           f"{str(dtype).removeprefix('torch.')} model copy, float32 optimizer copies; "
           f"optimizer ISA {roundpipe.optim.active_isa()}, {roundpipe.optim.num_threads()} threads")
 
+    # fp16 needs dynamic loss scaling; clipping by the global norm happens inside the step
+    scaler = roundpipe.GradScaler(enabled=dtype == torch.float16)
     gen = torch.Generator().manual_seed(args.seed)
-    history = {"step": [], "loss": [], "tokens_per_s": [], "optimizer_ms": []}
+    history = {"step": [], "loss": [], "tokens_per_s": [], "optimizer_ms": [], "grad_norm": []}
     first = 1
     if args.resume:
-        done, history = load_checkpoint(checkpoint, model, opt, schedule, gen)
+        done, history = load_checkpoint(checkpoint, model, opt, schedule, scaler, gen)
         first = done + 1
         print(f"resumed from {checkpoint} after step {done}")
 
@@ -321,20 +327,26 @@ def main() -> None:
     for step in bar:
         t0 = time.perf_counter()
         x = batch(train, args.batch, gen)
-        loss = model.forward_backward(input_kwargs={"input_ids": x, "labels": x})
+        loss = model.forward_backward(input_kwargs={"input_ids": x, "labels": x},
+                                      grad_scaler=scaler)
         t1 = time.perf_counter()
-        model.step(lambda: (torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
-                            opt.step(), opt.zero_grad()))
+        model.step(opt, grad_scaler=scaler, max_grad_norm=args.clip)
         schedule.step()
         t2 = time.perf_counter()
+        report = model.last_step_stats()  # recorded by the step: no extra work
         history["step"].append(step)
         history["loss"].append(loss.item())
         history["tokens_per_s"].append(tokens / (t2 - t0))
         history["optimizer_ms"].append(1e3 * (t2 - t1))
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (t2 - t0):,.0f}",
-                        opt_ms=f"{1e3 * (t2 - t1):.1f}")
+        history.setdefault("grad_norm", []).append(report.grad_norm)
+        postfix = dict(loss=f"{loss.item():.3f}", gnorm=f"{report.grad_norm:.2f}",
+                       tok_s=f"{tokens / (t2 - t0):,.0f}", opt_ms=f"{1e3 * (t2 - t1):.1f}")
+        if scaler.is_enabled():
+            postfix["scale"] = f"{report.scale:g}" + (" skipped" if report.skipped else "")
+        bar.set_postfix(postfix)
         if step == last or (args.save_every and step % args.save_every == 0):
-            save_checkpoint(checkpoint, model, opt, schedule, gen, step, history, tokenizer, args)
+            save_checkpoint(checkpoint, model, opt, schedule, scaler, gen, step, history,
+                            tokenizer, args)
     bar.close()
     elapsed = time.perf_counter() - start
     last_val = val_loss()

@@ -176,9 +176,9 @@ CASES += [
                  dict(momentum=-1.0, weight_decay=-1.0)],
         # No weight decay in base: with the 1e-20 gradients of test_extreme_gradient_scales the
         # decayed gradient is ~0.1 * p, the same at every step, so the centered variance
-        # square_avg - grad_avg**2 is pure rounding noise; torch's sqrt (MKL's, which is not
-        # correctly rounded: 1 ulp low on ~0.7% of inputs) differs from ours by an ulp, and that
-        # noise amplifies it to any size. The sweep covers weight decay with real gradients.
+        # square_avg - grad_avg**2 is pure rounding noise, which amplifies any one-rounding
+        # difference (the scalar ISA's unfused multiply-adds against torch's FMA) to any size.
+        # The sweep covers weight decay with real gradients.
         base=dict(lr=1e-2, momentum=0.9, centered=True),
         # Centered: square_avg - grad_avg**2 cancels wherever the gradient barely varies, which
         # multiplies the relative effect of one extra rounding (in lerp_ and addcmul_) by

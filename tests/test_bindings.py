@@ -42,10 +42,10 @@ def test_wrongly_sized_grad_and_state_raise():
         _step(p, torch.ones(9))
     params, grads, states, steps = _args(p)
     states[1] = [torch.zeros(7)]
-    with pytest.raises(ValueError, match=r"exp_avg_sqs\[0\]"):
+    with pytest.raises(ValueError, match=r"exp_avg_sq\[0\]"):
         _C.adam_step(_C.AdamOptions(), params, grads, states, steps)
     steps = [[torch.zeros(2)]]
-    with pytest.raises(ValueError, match=r"steps\[0\] must hold one element"):
+    with pytest.raises(ValueError, match=r"step\[0\] must hold one element"):
         _C.adam_step(_C.AdamOptions(), params, grads, _args(p)[2], steps)
     assert torch.equal(p, torch.ones(8))
 

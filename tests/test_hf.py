@@ -175,7 +175,7 @@ def test_moe_layer_in_the_last_stage_with_aux_loss_is_refused():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_tied", "qwen3_moe"])
 def test_training_equals_plain_pytorch(kind):
-    """5 steps of AdamW (eps near lr: see DESIGN.md) on the same batches."""
+    """5 steps of AdamW (eps near lr: see docs/design.md §5) on the same batches."""
     ref = make_model(kind)
     model = copy.deepcopy(ref)
     w = roundpipe.wrap_model_to_roundpipe(model, torch.float32, device="cpu", num_microbatch=2)

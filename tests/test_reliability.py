@@ -154,12 +154,13 @@ import torch, roundpipe, roundpipe.optim as rpo
 from torch import nn
 
 class LongAdam(rpo.Adam):
-    # one layer step made of ~4 s of optimizer kernels (C++): the interpreter reaches exit
+    # one layer step made of seconds of optimizer kernels (C++): the interpreter reaches exit
     # while the optimizer thread is inside one
     def fused_step(self, *a, **k):
-        for _ in range(3000):
-            super().fused_step(*a, **k)
+        for _ in range(1500):
+            result = super().fused_step(*a, **k)
         print("stepped", flush=True)
+        return result
 
 model = roundpipe.RoundPipe(nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 8)))
 opt = LongAdam(model.optim_parameters(), lr=1e-6)

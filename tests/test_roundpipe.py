@@ -52,7 +52,7 @@ def loss_fn(out, target):
 
 OPTIMIZERS = {
     "torch.SGD": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.5),
-    # eps near lr: see DESIGN.md §5 (gradients that cancel to ~0 amplify summation-order noise)
+    # eps near lr: see docs/design.md §5 (gradients that cancel to ~0 amplify summation-order noise)
     "roundpipe.Adam": lambda ps: rpo.Adam(ps, lr=1e-2, eps=1e-2),
 }
 
@@ -373,7 +373,7 @@ def test_recompute_helpers_keep_layer_decisions():
     model = RoundPipe(net, num_microbatch=2)
     x, y = data("mlp", 0)
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-    model._opt.wait()
+    model._steps.wait()
     grads = {n: g for n, g in zip(model._copies.names, model._copies.grads)}
     # microbatch 0 took path a (calls=1), microbatch 1 path b (calls=2): both got gradients
     assert grads["0.a.weight"] is not None and grads["0.b.weight"] is not None

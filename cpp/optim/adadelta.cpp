@@ -17,20 +17,17 @@ void adadelta_step(const AdadeltaOptions& o, const ParamBuffers* tensors, std::s
   detail::check_range(fn, "rho", o.rho, 0.0, 1.0);
   detail::check_range(fn, "eps", o.eps, 0.0);
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
-  static const char* const state_names[] = {"square_avg", "acc_delta", nullptr};
-  static const char* const scalar_names[] = {"step"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b011u, scalar_names, 1, io);
+  detail::check_buffers<AdadeltaState>(fn, tensors, count, detail::all_states<AdadeltaState>(),
+                                       detail::all_scalars<AdadeltaState>(), io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   // The same for every tensor: Adadelta's update does not depend on the step count.
   const detail::AdadeltaCoeffs c{
-      /*use_weight_decay=*/o.weight_decay != 0.0,
-      static_cast<float>(o.weight_decay),
+      detail::grad_coeffs(o.weight_decay, o.maximize),
       static_cast<float>(o.rho),
       static_cast<float>(1.0 - o.rho),
       static_cast<float>(o.eps),
       static_cast<float>(-o.lr),
-      o.maximize,
   };
   for (std::size_t i = 0; i < count; ++i) *tensors[i].scalar[AdadeltaState::step] += 1.0f;
   const std::vector<detail::AdadeltaCoeffs> coeffs(count, c);

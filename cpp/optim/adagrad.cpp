@@ -18,23 +18,18 @@ void adagrad_step(const AdagradOptions& o, const ParamBuffers* tensors, std::siz
   detail::check_range(fn, "lr_decay", o.lr_decay, 0.0);
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
   detail::check_range(fn, "eps", o.eps, 0.0);
-  static const char* const state_names[] = {"sum"};
-  static const char* const scalar_names[] = {"step"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b1u, scalar_names, 1, io);
+  detail::check_buffers<AdagradState>(fn, tensors, count, detail::all_states<AdagradState>(),
+                                      detail::all_scalars<AdagradState>(), io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
+  const detail::GradCoeffs grad = detail::grad_coeffs(o.weight_decay, o.maximize);
   std::vector<detail::AdagradCoeffs> coeffs(count);
   for (std::size_t i = 0; i < count; ++i) {
     float& step_t = *tensors[i].scalar[AdagradState::step];
     step_t += 1.0f;
     const double step = step_t;
     const double clr = o.lr / (1.0 + (step - 1.0) * o.lr_decay);
-    coeffs[i] = detail::AdagradCoeffs{
-        static_cast<float>(o.weight_decay),
-        static_cast<float>(o.eps),
-        static_cast<float>(-clr),
-        o.maximize,
-    };
+    coeffs[i] = detail::AdagradCoeffs{grad, static_cast<float>(o.eps), static_cast<float>(-clr)};
   }
   detail::run_kernel(kernels.adagrad, coeffs.data(), tensors, count, io);
 }

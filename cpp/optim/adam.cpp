@@ -19,10 +19,8 @@ void adam_step(const AdamOptions& o, const ParamBuffers* tensors, std::size_t co
   detail::check_range(fn, "beta2", o.beta2, 0.0, 1.0, true);
   detail::check_range(fn, "eps", o.eps, 0.0);
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
-  static const char* const state_names[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
-  static const char* const scalar_names[] = {"step"};
-  detail::check_buffers(fn, tensors, count, state_names, o.amsgrad ? 0b111u : 0b011u,
-                        scalar_names, 1, io);
+  detail::check_buffers<AdamState>(fn, tensors, count, o.amsgrad ? 0b111u : 0b011u,
+                                   detail::all_scalars<AdamState>(), io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   const detail::MomentCoeffs moments = detail::moment_coeffs(

@@ -19,11 +19,11 @@ void adamax_step(const AdamaxOptions& o, const ParamBuffers* tensors, std::size_
   detail::check_range(fn, "beta2", o.beta2, 0.0, 1.0, true);
   detail::check_range(fn, "eps", o.eps, 0.0);
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
-  static const char* const state_names[] = {"exp_avg", "exp_inf", nullptr};
-  static const char* const scalar_names[] = {"step"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b011u, scalar_names, 1, io);
+  detail::check_buffers<AdamaxState>(fn, tensors, count, detail::all_states<AdamaxState>(),
+                                     detail::all_scalars<AdamaxState>(), io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
+  const detail::GradCoeffs grad = detail::grad_coeffs(o.weight_decay, o.maximize);
   const detail::Lerp lerp = detail::lerp_coeff(1.0 - o.beta1);
   std::vector<detail::AdamaxCoeffs> coeffs(count);
   for (std::size_t i = 0; i < count; ++i) {
@@ -33,14 +33,12 @@ void adamax_step(const AdamaxOptions& o, const ParamBuffers* tensors, std::size_
     const double bias_correction = 1.0 - std::pow(o.beta1, static_cast<double>(step_t));
     const double clr = o.lr / bias_correction;
     coeffs[i] = detail::AdamaxCoeffs{
-        /*use_weight_decay=*/o.weight_decay != 0.0,
-        static_cast<float>(o.weight_decay),
+        grad,
         lerp.weight,
         lerp.from_end,
         static_cast<float>(o.beta2),
         static_cast<float>(o.eps),
         static_cast<float>(-clr),
-        o.maximize,
     };
   }
   detail::run_kernel(kernels.adamax, coeffs.data(), tensors, count, io);

@@ -17,11 +17,11 @@ void asgd_step(const AsgdOptions& o, const ParamBuffers* tensors, std::size_t co
   constexpr const char* fn = "asgd_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
-  static const char* const state_names[] = {"ax", nullptr, nullptr};
-  static const char* const scalar_names[] = {"step", "eta", "mu"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b001u, scalar_names, 3, io);
+  detail::check_buffers<AsgdState>(fn, tensors, count, detail::all_states<AsgdState>(),
+                                   detail::all_scalars<AsgdState>(), io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
+  const detail::GradCoeffs grad = detail::grad_coeffs(o.weight_decay, o.maximize);
   std::vector<detail::AsgdCoeffs> coeffs(count);
   for (std::size_t i = 0; i < count; ++i) {
     float& step_t = *tensors[i].scalar[AsgdState::step];
@@ -31,13 +31,11 @@ void asgd_step(const AsgdOptions& o, const ParamBuffers* tensors, std::size_t co
     // This step uses the stored eta and mu (torch: eta_value = eta.item(); mu.item() != 1).
     const double eta = eta_t;
     coeffs[i] = detail::AsgdCoeffs{
-        /*use_weight_decay=*/o.weight_decay != 0.0,
-        static_cast<float>(o.weight_decay),
+        grad,
         /*decay=*/static_cast<float>(1.0 - o.lambd * eta),
         /*neg_eta=*/static_cast<float>(-eta),
         /*average=*/mu_t != 1.0f,
         mu_t,
-        o.maximize,
     };
     // Then the values for the next step, in Python floats, stored through float32 tensors:
     //   eta = lr / ((1 + lambd * lr * step) ** alpha);  mu = 1 / max(1, step - t0)

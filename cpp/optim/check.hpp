@@ -9,7 +9,7 @@
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/error.hpp"
 #include "roundpipe/step_io.hpp"
-#include "roundpipe/kernels/moments.hpp"
+#include "kernels/moments.hpp"
 
 namespace roundpipe {
 namespace detail {
@@ -30,12 +30,15 @@ inline void check_range(const char* fn, const char* name, double x, double lo,
 }
 
 // Checks that every tensor has what the algorithm needs: param, grad (or grad16, bfloat16 or
-// float16), the state arrays state_names[k] for each k set in `state_mask` (unless numel == 0),
-// the scalars scalar_names[0..num_scalars), a valid model_copy_dtype; and `io`'s grad_scale
-// (finite, > 0), whose outputs it resets. Messages name `tensors[i].<slot name>` or `io.<field>`.
-inline void check_buffers(const char* fn, const ParamBuffers* tensors, std::size_t count,
-                          const char* const* state_names, unsigned state_mask,
-                          const char* const* scalar_names, int num_scalars, StepIO* io) {
+// float16), the state arrays State::state_names[k] for each k set in `state_mask` (unless
+// numel == 0), the scalars State::scalar_names[k] for each k set in `scalar_mask`, a valid
+// model_copy_dtype; and `io`'s grad_scale (finite, > 0), whose outputs it resets. Messages name
+// `tensors[i].<slot name>` or `io.<field>`.
+template <class State>
+void check_buffers(const char* fn, const ParamBuffers* tensors, std::size_t count,
+                   unsigned state_mask, unsigned scalar_mask, StepIO* io) {
+  static_assert(State::state_names.size() <= ParamBuffers::kMaxState &&
+                State::scalar_names.size() <= ParamBuffers::kMaxScalar);
   if (io) {
     if (!(io->grad_scale > 0.0 && io->grad_scale < INFINITY))
       throw Error(std::string(fn) + ": io.grad_scale must be finite and > 0, got " +
@@ -58,12 +61,18 @@ inline void check_buffers(const char* fn, const ParamBuffers* tensors, std::size
     if (t.model_copy && static_cast<unsigned>(t.model_copy_dtype) > 2u)
       throw Error(std::string(fn) + ": tensors[" + std::to_string(i) +
                   "].model_copy_dtype is not a Dtype");
-    for (int k = 0; k < ParamBuffers::kMaxState; ++k)
-      if ((state_mask >> k & 1u) && t.numel != 0 && !t.state[k]) fail(i, state_names[k]);
-    for (int k = 0; k < num_scalars; ++k)
-      if (!t.scalar[k]) fail(i, scalar_names[k]);
+    for (std::size_t k = 0; k < State::state_names.size(); ++k)
+      if ((state_mask >> k & 1u) && t.numel != 0 && !t.state[k]) fail(i, State::state_names[k]);
+    for (std::size_t k = 0; k < State::scalar_names.size(); ++k)
+      if ((scalar_mask >> k & 1u) && !t.scalar[k]) fail(i, State::scalar_names[k]);
   }
 }
+
+// Every slot of State (e.g. for check_buffers' masks).
+template <class State>
+constexpr unsigned all_states() { return (1u << State::state_names.size()) - 1u; }
+template <class State>
+constexpr unsigned all_scalars() { return (1u << State::scalar_names.size()) - 1u; }
 
 // torch's lerp_(end, weight) in float32: coefficient and which end it starts from.
 struct Lerp {
@@ -82,13 +91,12 @@ inline MomentCoeffs moment_coeffs(double lr, double beta1, double beta2, double 
   const bool decoupled = decoupled_weight_decay && weight_decay != 0.0;
   const Lerp lerp = lerp_coeff(1.0 - beta1);
   return MomentCoeffs{
-      /*weight_decay=*/decoupled ? 0.0f : static_cast<float>(weight_decay),
+      grad_coeffs(decoupled_weight_decay ? 0.0 : weight_decay, maximize),
       /*decay=*/decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f,
       lerp.weight,
       lerp.from_end,
       static_cast<float>(beta2),
       static_cast<float>(1.0 - beta2),
-      maximize,
   };
 }
 

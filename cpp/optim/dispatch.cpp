@@ -1,7 +1,6 @@
 // Runtime ISA detection and selection (roundpipe/isa.hpp).
 #include <atomic>
 #include <cstdlib>
-#include <mutex>
 #include <string>
 
 #include "kernel_table.hpp"
@@ -99,17 +98,12 @@ void check_supported(Isa isa, const char* what) {
                 "' is not supported by this CPU, OS or build; supported: " + supported_list());
 }
 
-std::mutex g_mutex;
-std::atomic<const detail::KernelTable*> g_table{nullptr};
-Isa g_isa = Isa::scalar;
+// The active ISA, -1 until the first use chooses one. Lock-free, so that a fork() at any moment
+// leaves the child a usable dispatcher, and the tables are compile-time constants (no lazy
+// initialisation to interrupt).
+std::atomic<int> g_isa{-1};
 
-void select(Isa isa) {
-  g_isa = isa;
-  g_table.store(&table_of(isa), std::memory_order_release);
-}
-
-void init_locked() {
-  if (g_table.load(std::memory_order_relaxed)) return;
+Isa choose() {
   if (const char* env = std::getenv("ROUNDPIPE_ISA"); env && *env) {
     Isa isa;
     try {
@@ -118,10 +112,9 @@ void init_locked() {
       throw Error(std::string("ROUNDPIPE_ISA: ") + e.what() + "; supported: " + supported_list());
     }
     check_supported(isa, "ROUNDPIPE_ISA");
-    select(isa);
-  } else {
-    select(supported_isas().back());
+    return isa;
   }
+  return supported_isas().back();
 }
 
 }  // namespace
@@ -150,24 +143,22 @@ std::vector<Isa> supported_isas() {
 }
 
 Isa active_isa() {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  init_locked();
-  return g_isa;
+  int isa = g_isa.load(std::memory_order_acquire);
+  if (isa < 0) {
+    int none = -1;  // keeps a set_isa() that ran meanwhile
+    g_isa.compare_exchange_strong(none, static_cast<int>(choose()), std::memory_order_acq_rel);
+    isa = g_isa.load(std::memory_order_acquire);
+  }
+  return static_cast<Isa>(isa);
 }
 
 void set_isa(Isa isa) {
-  std::lock_guard<std::mutex> lock(g_mutex);
   check_supported(isa, "set_isa");
-  select(isa);
+  g_isa.store(static_cast<int>(isa), std::memory_order_release);
 }
 
 namespace detail {
-const KernelTable& active_kernels() {
-  if (const KernelTable* t = g_table.load(std::memory_order_acquire)) return *t;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  init_locked();
-  return *g_table.load(std::memory_order_relaxed);
-}
+const KernelTable& active_kernels() { return table_of(active_isa()); }
 }  // namespace detail
 
 }  // namespace roundpipe

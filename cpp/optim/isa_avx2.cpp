@@ -1,4 +1,4 @@
 // AVX2 + FMA kernels: the only translation unit compiled with -mavx2 -mfma.
 #define ROUNDPIPE_ISA_NS avx2
-#include "roundpipe/simd/avx2.hpp"
+#include "simd/avx2.hpp"
 #include "isa_table.inc"

@@ -1,4 +1,4 @@
 // AVX-512F kernels: the only translation unit compiled with -mavx512f.
 #define ROUNDPIPE_ISA_NS avx512
-#include "roundpipe/simd/avx512.hpp"
+#include "simd/avx512.hpp"
 #include "isa_table.inc"

@@ -1,4 +1,4 @@
 // NEON kernels for AArch64 (Advanced SIMD is part of the AArch64 baseline).
 #define ROUNDPIPE_ISA_NS neon
-#include "roundpipe/simd/neon.hpp"
+#include "simd/neon.hpp"
 #include "isa_table.inc"

@@ -1,6 +1,6 @@
 // Scalar kernels: the portable fallback, compiled with the baseline flags only.
 #define ROUNDPIPE_ISA_NS scalar
-#include "roundpipe/simd/scalar.hpp"
+#include "simd/scalar.hpp"
 namespace roundpipe {
 namespace scalar {
 using Vec = Scalar;

@@ -1,39 +1,41 @@
-// Internal: the table of kernel entry points one ISA translation unit provides, and the
-// dispatcher's accessor for the active one.
+// Internal: the table of kernel entry points one ISA translation unit provides (one entry per
+// step function of roundpipe/algorithms.hpp, plus the two ends of the mixed-precision pass), and
+// the dispatcher's accessor for the active one.
+//
+// Included by an ISA translation unit (ROUNDPIPE_ISA_NS defined, its simd header included), the
+// kernel headers below also define their per-ISA bodies; anywhere else only their ISA-neutral
+// coefficient structs.
 #pragma once
 #include <cstddef>
 
-#include "roundpipe/kernels/adadelta.hpp"
-#include "roundpipe/kernels/adagrad.hpp"
-#include "roundpipe/kernels/adam.hpp"
-#include "roundpipe/kernels/adamax.hpp"
-#include "roundpipe/kernels/asgd.hpp"
-#include "roundpipe/kernels/mixed.hpp"
-#include "roundpipe/kernels/nadam.hpp"
-#include "roundpipe/kernels/radam.hpp"
-#include "roundpipe/kernels/rmsprop.hpp"
-#include "roundpipe/kernels/rprop.hpp"
-#include "roundpipe/kernels/sgd.hpp"
-#include "roundpipe/kernels/stream.hpp"
+#include "kernels/adadelta.hpp"
+#include "kernels/adagrad.hpp"
+#include "kernels/adam.hpp"
+#include "kernels/adamax.hpp"
+#include "kernels/asgd.hpp"
+#include "kernels/mixed.hpp"
+#include "kernels/nadam.hpp"
+#include "kernels/radam.hpp"
+#include "kernels/rmsprop.hpp"
+#include "kernels/rprop.hpp"
+#include "kernels/sgd.hpp"
+#include "kernels/stream.hpp"
+#include "roundpipe/algorithms.hpp"
 
 namespace roundpipe {
 namespace detail {
 
+// One algorithm's kernel: its update on elements [begin, end) of one tensor.
+template <class Coeffs>
+using KernelFn = void (*)(const Coeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+
 struct KernelTable {
-  void (*adam)(const AdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
-  void (*adadelta)(const AdadeltaCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
-  void (*adamax)(const AdamaxCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
-  void (*asgd)(const AsgdCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
-  void (*nadam)(const NAdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
-  void (*radam)(const RAdamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
-  void (*rprop)(const RpropCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
-  void (*sgd)(const SGDCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
-  void (*stream)(const StreamCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
-  void (*adagrad)(const AdagradCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
-  void (*rmsprop)(const RMSpropCoeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+#define ROUNDPIPE_KERNEL_ENTRY(name, Name) KernelFn<Name##Coeffs> name;
+  ROUNDPIPE_STEP_FUNCTIONS(ROUNDPIPE_KERNEL_ENTRY)
+#undef ROUNDPIPE_KERNEL_ENTRY
   // the mixed-precision pass (kernels/mixed.hpp)
   void (*stage_grad)(const ParamBuffers&, std::size_t begin, std::size_t n, float inv_scale,
-                     bool norm, float* out, GradStats& stats);
+                     float clip, bool norm, float* out, GradStats& stats);
   void (*store_model_copy)(const ParamBuffers&, std::size_t begin, std::size_t n);
 };
 

@@ -20,9 +20,8 @@ void nadam_step(const NAdamOptions& o, const ParamBuffers* tensors, std::size_t 
   detail::check_range(fn, "eps", o.eps, 0.0);
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
   detail::check_range(fn, "momentum_decay", o.momentum_decay, 0.0);
-  static const char* const state_names[] = {"exp_avg", "exp_avg_sq"};
-  static const char* const scalar_names[] = {"step", "mu_product"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b11u, scalar_names, 2, io);
+  detail::check_buffers<NAdamState>(fn, tensors, count, detail::all_states<NAdamState>(),
+                                    detail::all_scalars<NAdamState>(), io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   const detail::MomentCoeffs moments = detail::moment_coeffs(

@@ -93,6 +93,7 @@ void run_kernel(void (*kernel)(const Coeffs&, const ParamBuffers&, std::size_t, 
   }
   const KernelTable& isa = active_kernels();
   const float inv_scale = io ? static_cast<float>(1.0 / io->grad_scale) : 1.0f;
+  const float clip = io ? static_cast<float>(io->grad_clip) : 1.0f;
   const bool norm = io && io->want_grad_norm;
   std::vector<GradStats> stats(io ? count_chunks(tensors, count) : 0);
   for_each_chunk(count, numel, [&](std::size_t i, std::size_t begin, std::size_t end,
@@ -102,7 +103,7 @@ void run_kernel(void (*kernel)(const Coeffs&, const ParamBuffers&, std::size_t, 
     GradStats s;
     for (std::size_t b = begin; b < end; b += kStageElements) {
       const std::size_t n = std::min(kStageElements, end - b);
-      isa.stage_grad(t, b, n, inv_scale, norm, grad, s);
+      isa.stage_grad(t, b, n, inv_scale, clip, norm, grad, s);
       kernel(coeffs[i], slice(t, b, n, grad), 0, n);
       if (t.model_copy) isa.store_model_copy(t, b, n);
     }

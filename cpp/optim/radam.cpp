@@ -20,9 +20,8 @@ void radam_step(const RAdamOptions& o, const ParamBuffers* tensors, std::size_t 
   detail::check_range(fn, "beta2", o.beta2, 0.0, 1.0, true);
   detail::check_range(fn, "eps", o.eps, 0.0);
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
-  static const char* const state_names[] = {"exp_avg", "exp_avg_sq"};
-  static const char* const scalar_names[] = {"step"};
-  detail::check_buffers(fn, tensors, count, state_names, 0b11u, scalar_names, 1, io);
+  detail::check_buffers<RAdamState>(fn, tensors, count, detail::all_states<RAdamState>(),
+                                    detail::all_scalars<RAdamState>(), io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   const detail::MomentCoeffs moments = detail::moment_coeffs(

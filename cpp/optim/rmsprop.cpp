@@ -19,15 +19,14 @@ void rmsprop_step(const RMSpropOptions& o, const ParamBuffers* tensors, std::siz
   detail::check_range(fn, "eps", o.eps, 0.0);
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
   detail::check_range(fn, "momentum", o.momentum, 0.0);
-  static const char* const state_names[] = {"square_avg", "momentum_buffer", "grad_avg"};
-  static const char* const scalar_names[] = {"step"};
   const unsigned mask = 0b001u | (o.momentum > 0.0 ? 0b010u : 0u) | (o.centered ? 0b100u : 0u);
-  detail::check_buffers(fn, tensors, count, state_names, mask, scalar_names, 1, io);
+  detail::check_buffers<RMSpropState>(fn, tensors, count, mask,
+                                      detail::all_scalars<RMSpropState>(), io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   const detail::Lerp lerp = detail::lerp_coeff(1.0 - o.alpha);
   const detail::RMSpropCoeffs c{
-      static_cast<float>(o.weight_decay),
+      detail::grad_coeffs(o.weight_decay, o.maximize),
       static_cast<float>(o.alpha),
       static_cast<float>(1.0 - o.alpha),
       lerp.weight,
@@ -37,7 +36,6 @@ void rmsprop_step(const RMSpropOptions& o, const ParamBuffers* tensors, std::siz
       o.momentum > 0.0,
       static_cast<float>(-o.lr),
       o.centered,
-      o.maximize,
   };
   for (std::size_t i = 0; i < count; ++i) *tensors[i].scalar[RMSpropState::step] += 1.0f;
   const std::vector<detail::RMSpropCoeffs> coeffs(count, c);

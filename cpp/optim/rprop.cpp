@@ -14,9 +14,6 @@
 namespace roundpipe {
 namespace {
 
-constexpr const char* kStateNames[] = {"prev", "step_size"};
-constexpr const char* kScalarNames[] = {"step"};
-
 // torch.optim.Rprop's constructor check, 0 < etaminus < 1 < etaplus, one option at a time. The
 // step sizes are not checked, as in torch: a NaN bound makes every step size NaN.
 void check_options(const char* fn, const RpropOptions& o) {
@@ -34,7 +31,7 @@ void rprop_init_state(const RpropOptions& o, const ParamBuffers& t) {
   if (!t.scalar[RpropState::step]) throw Error(std::string(fn) + ": tensor.step is null");
   for (int k : {RpropState::prev, RpropState::step_size})
     if (t.numel != 0 && !t.state[k])
-      throw Error(std::string(fn) + ": tensor." + kStateNames[k] + " is null (numel " +
+      throw Error(std::string(fn) + ": tensor." + RpropState::state_names[k] + " is null (numel " +
                   std::to_string(t.numel) + ")");
   *t.scalar[RpropState::step] = 0.0f;
   if (t.numel == 0) return;
@@ -47,16 +44,17 @@ void rprop_step(const RpropOptions& o, const ParamBuffers* tensors, std::size_t 
                 StepIO* io) {
   constexpr const char* fn = "rprop_step";
   check_options(fn, o);
-  detail::check_buffers(fn, tensors, count, kStateNames, 0b11u, kScalarNames, 1, io);
+  detail::check_buffers<RpropState>(fn, tensors, count, detail::all_states<RpropState>(),
+                                    detail::all_scalars<RpropState>(), io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   for (std::size_t i = 0; i < count; ++i) *tensors[i].scalar[RpropState::step] += 1.0f;
   const detail::RpropCoeffs c{
+      detail::grad_coeffs(0.0, o.maximize),
       static_cast<float>(o.etaminus),
       static_cast<float>(o.etaplus),
       static_cast<float>(o.step_size_min),
       static_cast<float>(o.step_size_max),
-      o.maximize,
   };
   const std::vector<detail::RpropCoeffs> coeffs(count, c);
   detail::run_kernel(kernels.rprop, coeffs.data(), tensors, count, io);

@@ -23,25 +23,23 @@ void sgd_step(const SGDOptions& o, const ParamBuffers* tensors, std::size_t coun
                 "momentum " + detail::fmt(o.momentum) + ", dampening " +
                 detail::fmt(o.dampening));
   const bool use_momentum = o.momentum != 0.0;
-  static const char* const state_names[] = {"momentum_buffer"};
-  static const char* const scalar_names[] = {"momentum_buffer_ready"};
-  detail::check_buffers(fn, tensors, count, state_names, use_momentum ? 0b1u : 0u, scalar_names,
-                        use_momentum ? 1 : 0, io);
+  detail::check_buffers<SGDState>(fn, tensors, count, use_momentum ? 0b1u : 0u,
+                                  use_momentum ? 0b1u : 0u, io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
+  const detail::GradCoeffs grad = detail::grad_coeffs(o.weight_decay, o.maximize);
   std::vector<detail::SGDCoeffs> coeffs(count);
   for (std::size_t i = 0; i < count; ++i) {
     float* const ready = tensors[i].scalar[SGDState::momentum_buffer_ready];
     const bool fresh = use_momentum && *ready == 0.0f;
     coeffs[i] = detail::SGDCoeffs{
-        static_cast<float>(o.weight_decay),
+        grad,
         static_cast<float>(o.momentum),
         static_cast<float>(1.0 - o.dampening),
         static_cast<float>(-o.lr),
         use_momentum,
         fresh,
         o.nesterov,
-        o.maximize,
     };
     // Written only on the change, so a caller may pass one shared flag for ready buffers.
     if (fresh) *ready = 1.0f;

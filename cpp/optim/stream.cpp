@@ -16,8 +16,7 @@ void stream_step(const StreamOptions& o, const ParamBuffers* tensors, std::size_
   if (o.states < 0 || o.states > ParamBuffers::kMaxState)
     throw Error(std::string(fn) + ": states must be in [0, " +
                 std::to_string(ParamBuffers::kMaxState) + "], got " + std::to_string(o.states));
-  static const char* const state_names[] = {"state[0]", "state[1]", "state[2]"};
-  detail::check_buffers(fn, tensors, count, state_names, (1u << o.states) - 1u, nullptr, 0, io);
+  detail::check_buffers<StreamState>(fn, tensors, count, (1u << o.states) - 1u, 0u, io);
   const detail::KernelTable& kernels = detail::active_kernels();
   const std::vector<detail::StreamCoeffs> coeffs(count, detail::StreamCoeffs{o.states});
   detail::run_kernel(kernels.stream, coeffs.data(), tensors, count, io);

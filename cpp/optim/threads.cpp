@@ -1,13 +1,30 @@
-// The persistent worker pool (roundpipe/threads.hpp, parallel.hpp).
+// The worker pool (roundpipe/threads.hpp, parallel.hpp).
+//
+// - A step with t threads runs on the caller and workers 0 .. t-2 (fewer when it has fewer
+//   tasks), wakes only those and waits only for them: a step costs what its own thread count
+//   needs, whatever larger counts earlier steps used.
+// - Workers are made on first need. Those below the process's thread count (num_threads())
+//   stay; those above it, made for a larger per-call count (ThreadCountScope), exit once idle
+//   for kIdleExit, highest first, so the process returns to its thread count.
+// - Steps are serialised by g_call_mutex.
+// - Nothing here is destroyed at process exit: the pool is a heap object that is never deleted
+//   and its workers are detached, so no static destructor joins a thread (std::terminate) or
+//   destroys a condition variable that workers sleep on (glibc's pthread_cond_destroy would wait
+//   for them), even when exit() is called while a step runs in another thread.
+// - fork(): the prepare handler takes g_call_mutex, so a fork waits for a running step to end
+//   and the child's memory holds whole steps only; the child, which has none of the parent's
+//   workers, abandons the parent's pool and makes a new one on demand.
 #include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -17,6 +34,10 @@
 
 namespace roundpipe {
 namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kIdleExit = std::chrono::seconds(1);  // idle time after which a surplus worker exits
+constexpr int kMaxThreads = 1024;
 
 int default_threads() {
 #if defined(__linux__)
@@ -28,73 +49,108 @@ int default_threads() {
 
 class Pool {
  public:
-  explicit Pool(int threads) {
-    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { work(i); });
-  }
-  ~Pool() {
+  // Runs task(ctx, k) for every k in [0, ntasks) on the caller and up to `helpers` workers, and
+  // returns when all are done. One call at a time (g_call_mutex).
+  void run(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx, std::size_t helpers) {
+    std::vector<Worker*> used;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (auto& w : workers_) w.join();
-  }
-  int threads() const { return static_cast<int>(workers_.size()) + 1; }
-
-  // Runs the tasks on the caller and the first `threads - 1` workers (the others wake and go
-  // back to sleep).
-  void run(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx, int threads) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
+      grow(helpers);
+      used.reserve(helpers);
+      for (std::size_t i = 0; i < helpers && i < workers_.size(); ++i)
+        used.push_back(workers_[i].get());
       task_ = task;
       ctx_ = ctx;
       ntasks_ = ntasks;
-      active_ = threads;
       next_.store(0, std::memory_order_relaxed);
-      pending_ = workers_.size();
+      pending_ = used.size();
       ++generation_;
+      const Clock::time_point now = Clock::now();
+      for (Worker* w : used) {
+        w->job = generation_;
+        w->last_used = now;
+      }
     }
-    wake_.notify_all();
+    for (Worker* w : used) w->wake.notify_one();
     drain();
     std::unique_lock<std::mutex> lock(mutex_);
     done_.wait(lock, [this] { return pending_ == 0; });
   }
 
+  // Workers [0, keep) never exit; those above leave once idle for kIdleExit.
+  void set_keep(std::size_t keep) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    keep_ = keep;
+    if (!workers_.empty()) workers_.back()->wake.notify_one();  // it may be surplus now
+  }
+
  private:
+  struct Worker {
+    std::condition_variable wake;
+    std::size_t job = 0;              // generation of the last run it was given
+    Clock::time_point last_used{};
+  };
+
+  // Makes workers until there are `n` (mutex_ held). A thread that cannot be made leaves fewer
+  // workers: the results do not depend on the thread count.
+  void grow(std::size_t n) {
+    while (workers_.size() < n) {
+      workers_.push_back(std::make_unique<Worker>());
+      const std::size_t index = workers_.size() - 1;
+      Worker* w = workers_.back().get();
+      try {
+        std::thread([this, index, w] { work(index, w); }).detach();
+      } catch (const std::system_error&) {
+        workers_.pop_back();
+        return;
+      }
+    }
+  }
+
   void drain() {
     for (std::size_t k; (k = next_.fetch_add(1, std::memory_order_relaxed)) < ntasks_;)
       task_(ctx_, k);
   }
-  void work(int index) {
+
+  void work(std::size_t index, Worker* w) {
+    std::unique_lock<std::mutex> lock(mutex_);
     std::size_t seen = 0;
     for (;;) {
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+      while (w->job == seen) {  // idle
+        const bool top = index + 1 == workers_.size();
+        if (index < keep_ || !top) {
+          w->wake.wait(lock);  // the worker above, when it leaves, wakes this one
+          continue;
+        }
+        const Clock::time_point deadline = w->last_used + kIdleExit;
+        if (Clock::now() >= deadline) {
+          workers_.pop_back();  // destroys *w, which no one else uses now
+          if (!workers_.empty()) workers_.back()->wake.notify_one();
+          return;
+        }
+        w->wake.wait_until(lock, deadline);
       }
-      if (index < active_) drain();
-      std::lock_guard<std::mutex> lock(mutex_);
+      seen = w->job;
+      lock.unlock();
+      drain();
+      lock.lock();
       if (--pending_ == 0) done_.notify_one();
     }
   }
 
-  std::vector<std::thread> workers_;
   std::mutex mutex_;
-  std::condition_variable wake_, done_;
-  bool stop_ = false;
+  std::condition_variable done_;
+  std::vector<std::unique_ptr<Worker>> workers_;  // worker i is workers_[i]; only the last exits
+  std::size_t keep_ = 0;
   std::size_t generation_ = 0, pending_ = 0, ntasks_ = 0;
-  int active_ = 0;  // threads taking part in the current run, the caller included
   std::atomic<std::size_t> next_{0};
   void (*task_)(void*, std::size_t) = nullptr;
   void* ctx_ = nullptr;
 };
 
-constexpr int kMaxThreads = 1024;
 std::mutex g_call_mutex;  // one step at a time; guards g_threads and g_pool
 int g_threads = 0;        // 0: not yet read
-Pool* g_pool = nullptr;   // created on the first parallel step; leaked in a forked child
+Pool* g_pool = nullptr;   // made on the first parallel step; never deleted (see the top)
 thread_local int t_threads = 0;  // ThreadCountScope of the calling thread (0: none)
 
 int threads_locked() {
@@ -102,10 +158,13 @@ int threads_locked() {
   return g_threads;
 }
 
-// After fork() the child has none of the parent's worker threads: forget the pool (its threads
-// are gone, so it must not be joined) and build a new one on demand.
 [[maybe_unused]] const bool g_atfork = [] {
-  pthread_atfork(nullptr, nullptr, [] { g_pool = nullptr; });
+  pthread_atfork([] { g_call_mutex.lock(); },
+                 [] { g_call_mutex.unlock(); },
+                 [] {
+                   g_pool = nullptr;  // its threads do not exist here: abandon it
+                   g_call_mutex.unlock();
+                 });
   return true;
 }();
 
@@ -121,11 +180,8 @@ void set_num_threads(int n) {
     throw Error("set_num_threads: n must be in [1, " + std::to_string(kMaxThreads) + "], got " +
                 std::to_string(n));
   std::lock_guard<std::mutex> lock(g_call_mutex);
-  if (g_pool && g_pool->threads() != n) {
-    delete g_pool;
-    g_pool = nullptr;
-  }
   g_threads = n;
+  if (g_pool) g_pool->set_keep(static_cast<std::size_t>(n - 1));
 }
 
 ThreadCountScope::ThreadCountScope(int n) : previous_(t_threads) {
@@ -146,12 +202,11 @@ void run_tasks(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) 
     for (std::size_t k = 0; k < ntasks; ++k) task(ctx, k);
     return;
   }
-  if (g_pool && g_pool->threads() < threads) {  // a scope asks for more than the pool has
-    delete g_pool;
-    g_pool = nullptr;
+  if (!g_pool) {
+    g_pool = new Pool;
+    g_pool->set_keep(static_cast<std::size_t>(threads_locked() - 1));
   }
-  if (!g_pool) g_pool = new Pool(std::max(threads, threads_locked()));
-  g_pool->run(ntasks, task, ctx, threads);
+  g_pool->run(ntasks, task, ctx, std::min(static_cast<std::size_t>(threads), ntasks) - 1);
 }
 
 }  // namespace detail

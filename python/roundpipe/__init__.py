@@ -5,16 +5,20 @@ the optimizer runs on the CPU in fp32 with SIMD kernels (``roundpipe.optim``).
 """
 
 from .context import OptimizerCtx
+from .grad_scaler import GradScaler
 from .hf import wrap_model_to_roundpipe
 from .pipeline.execute import layer_seed
 from .microbatch import merge_outputs, split_microbatches
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
+from .steps import StepReport
 from .wrapper import RoundPipe
 
 __version__ = "0.1.0"
 __all__ = [
+    "GradScaler",
     "OptimizerCtx",
     "RoundPipe",
+    "StepReport",
     "__version__",
     "doing_recompute",
     "get_recompute_data",

@@ -58,6 +58,7 @@ class ParamCopies:
         self.index = {id(p): i for i, p in enumerate(self.model)}
         self.known = {id(p) for p in self.module.parameters()} | set(self.index)
         self.grads: list[Optional[torch.Tensor]] = [None] * len(self.model)
+        self.norms_sq: list[Optional[float]] = [None] * len(self.model)
         self.synced = [self.version(p) for p in self.model]
         self.layer_params: list[list[int]] = []
         for layer in self.layers:
@@ -81,7 +82,7 @@ class ParamCopies:
             if i in stages_of:
                 self.final_params[min(stages_of[i])].append(i)
 
-    _DERIVED = ("lock", "pool", "index", "known", "grads", "synced", "layer_params", "param_layers",
+    _DERIVED = ("lock", "pool", "index", "known", "grads", "norms_sq", "synced", "layer_params", "param_layers",
                 "final_params")
 
     def __getstate__(self) -> dict:
@@ -101,6 +102,10 @@ class ParamCopies:
 
     def __len__(self) -> int:
         return len(self.model)
+
+    def first_trainable_stage(self) -> int:
+        """The lowest stage holding a trainable parameter (its backward visit comes last)."""
+        return next((s for s, f in enumerate(self.final_params) if f), len(self.stages) - 1)
 
     def layers_of(self, indices: Iterable[int]) -> list[int]:
         """The layers holding any of the parameters ``indices``, in order."""
@@ -179,30 +184,37 @@ class ParamCopies:
 
     # --- gradients -----------------------------------------------------------------------------------
 
-    def accumulate(self, i: int, g: torch.Tensor, owned: bool) -> None:
+    def accumulate(self, i: int, g: torch.Tensor, owned: bool,
+                   norm_sq: Optional[float] = None) -> None:
         """Adds gradient ``g`` (fp32 or the model dtype, on the host) into parameter ``i``'s
         accumulated gradient (optimizer dtype, a buffer of :attr:`pool`): the first one since
         the last step is taken without a copy when ``owned`` and already of that dtype, later
-        ones are added in one pass (an owned ``g`` then goes back to the pool)."""
+        ones are added in one pass (an owned ``g`` then goes back to the pool). ``norm_sq``
+        (the squared norm of ``g``, measured where it was summed) is kept for the first one;
+        a sum's norm is unknown until measured."""
         dtype = self.optim[i].dtype
         if self.grads[i] is None:
             if owned and g.dtype == dtype:
                 self.grads[i] = g
             else:
                 self.grads[i] = self.pool.take(g.shape, dtype).copy_(g)
+            self.norms_sq[i] = norm_sq
         else:
             self.grads[i].add_(g)
+            self.norms_sq[i] = None
             if owned:
                 self.pool.give(g)
 
-    def take_grads(self) -> list[Optional[torch.Tensor]]:
-        """The accumulated gradients (the copies start over without any)."""
+    def take_grads(self) -> tuple[list[Optional[torch.Tensor]], list[Optional[float]]]:
+        """The accumulated gradients and their known squared norms (the copies start over
+        without any)."""
         grads, self.grads = self.grads, [None] * len(self.model)
-        return grads
+        norms, self.norms_sq = self.norms_sq, [None] * len(self.model)
+        return grads, norms
 
     def clear_grads(self) -> None:
         """Discards the accumulated gradients (their buffers go back to the pool)."""
-        grads = self.take_grads()
+        grads, _ = self.take_grads()
         for g in grads:
             if g is not None:
                 self.pool.give(g)

@@ -18,6 +18,8 @@ Keys (all floats, accumulated since construction or the last reset):
 - ``param_grad_floor_bytes``: parameter gradients down, once per backward visit:
   ``P_stage * min(M * itemsize, 4)`` per stage (the model-dtype gradient for one microbatch,
   else the fp32 sum over ``M`` microbatches);
+- ``exact_deferred_calls``: exact-mode calls whose step waited for the end of the backward
+  (a loss scaler or clipping needs every gradient's verdict first);
 - ``pinned_bytes``: page-locked host memory held now (CUDA; not reset).
 """
 
@@ -29,8 +31,9 @@ KINDS = ("weight", "activation", "input_grad", "param_grad", "buffer", "label", 
 TIME_KEYS = ("wall_s", "device_s", "weights_wait_s", "optimizer_wait_s", "optimizer_s", "upload_s")
 BYTE_KEYS = (tuple(f"h2d_{k}_bytes" for k in KINDS) + tuple(f"d2h_{k}_bytes" for k in KINDS)
              + ("weight_floor_bytes", "param_grad_floor_bytes"))
+COUNT_KEYS = ("exact_deferred_calls",)
 GAUGES = ("pinned_bytes",)
-KEYS = TIME_KEYS + BYTE_KEYS + GAUGES
+KEYS = TIME_KEYS + BYTE_KEYS + COUNT_KEYS + GAUGES
 
 
 class Stats:
@@ -59,6 +62,6 @@ class Stats:
         with self._lock:
             out = dict(self._values)
             if reset:
-                for k in TIME_KEYS + BYTE_KEYS:
+                for k in TIME_KEYS + BYTE_KEYS + COUNT_KEYS:
                     self._values[k] = 0.0
         return out

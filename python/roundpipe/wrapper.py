@@ -4,8 +4,10 @@ Reading order: plan.py (layers, stages, devices) -> param_copies.py (the host mo
 optimizer copies) -> transfer/ (moving tensors to a device and back, counting bytes: the CPU
 device, CUDA) -> pipeline/ (schedule.py: each device's order of stage visits; stage.py: a
 stage on one microbatch; fetch.py: weights and prefetch; run.py: a pass, slots between
-stages; threads.py: workers and waits) -> optimizer_thread.py (consuming gradients, the
-synchronous, asynchronous and exact overlapped steps) -> stats.py -> this file.
+stages; threads.py: workers and waits) -> optimizer_thread.py (the optimizer thread's queue
+and layer gates) -> steps.py (consuming gradients; synchronous, asynchronous and exact
+overlapped steps; loss scaling and clipping with grad_scaler.py and clipping.py) -> stats.py
+-> this file.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from torch.utils._pytree import tree_map
 
 from . import microbatch as mb
 from .context import OptimizerCtx
-from .optimizer_thread import OptimizerSide
+from .clipping import Clip
+from .grad_scaler import GradScaler
 from .param_copies import ParamCopies
 from .pipeline.execute import draw_call_seed, in_layer
 from .pipeline.run import Layout, Pass
@@ -31,6 +34,7 @@ from .pipeline.stage import AutocastState, PassSpec
 from .pipeline.threads import Worker
 from .plan import PIN_MODES, make_stages, parse_devices, split_layers
 from .stats import Stats
+from .steps import StepReport, Steps
 from .transfer import CpuIO
 
 
@@ -200,7 +204,7 @@ class RoundPipe(nn.Module):
         self._stats = Stats()
         self._stats.set("pinned_bytes", self._pinned_bytes)
         self._workers = [Worker(f"roundpipe-{d}-{i}") for i, d in enumerate(self.devices)]
-        self._opt = OptimizerSide(self._copies, len(self._layers), self._stats)
+        self._steps = Steps(self._copies, len(self._layers), self._stats)
         if self.devices[0].type == "cuda":
             from .transfer.cuda import CudaIO, HostWrites
             writes = HostWrites()
@@ -211,17 +215,17 @@ class RoundPipe(nn.Module):
         self._call_lock = threading.Lock()
         self._call_owner: Optional[threading.Thread] = None
         self._call_name = ""
-        threads = self._workers + [self._opt.worker]
+        threads = self._workers + [self._steps.thread.worker]
         # threads end with the wrapper (at exit, pipeline.threads._stop_workers ends them)
         weakref.finalize(self, lambda: [w.close() for w in threads]).atexit = False
 
-    _RUNTIME = ("_stats", "_workers", "_opt", "_ios", "_call_lock", "_call_owner", "_call_name",
+    _RUNTIME = ("_stats", "_workers", "_steps", "_ios", "_call_lock", "_call_owner", "_call_name",
                 "_locks")
 
     def __getstate__(self):
         """Pickling and ``copy.deepcopy`` wait for pending optimizer work, write every layer
         back, and leave the threads and device state out (the copy makes its own)."""
-        self._opt.synchronize()
+        self._steps.synchronize()
         return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
 
     def __setstate__(self, state) -> None:
@@ -295,7 +299,7 @@ class RoundPipe(nn.Module):
     def _call(self, name: str):
         """One call at a time (see the class docstring)."""
         me = threading.current_thread()
-        if (self._call_owner is me or self._opt.is_current()
+        if (self._call_owner is me or self._steps.is_current()
                 or any(w.is_current() for w in self._workers)):
             raise RuntimeError(
                 f"RoundPipe.{name}() was called from inside this model's own "
@@ -337,10 +341,10 @@ class RoundPipe(nn.Module):
     def _run_pass(self, spec: PassSpec, grad_sink=None) -> Pass:
         """Runs a pass: on this thread with one device in use, or when called from inside
         another RoundPipe's layer; on the device workers otherwise."""
-        self._opt.raise_error()
-        if self._opt.idle():
+        self._steps.raise_error()
+        if self._steps.idle():
             self._copies.refresh_from_model()
-        run = Pass(spec, self._layout(), self._ios, self._opt.gates, self._stats, grad_sink)
+        run = Pass(spec, self._layout(), self._ios, self._steps.gates, self._stats, grad_sink)
         used = {v.stage % len(self.devices) for v in run.order}
         start = time.perf_counter()
         try:
@@ -377,7 +381,10 @@ class RoundPipe(nn.Module):
     def forward_backward(self, input_args: tuple = (), input_kwargs: Optional[dict] = None,
                          label: Any = None, loss_fn: Callable[..., torch.Tensor] = None,
                          return_outputs: bool = False, num_microbatch: Optional[int] = None,
-                         optimizer: Optional[torch.optim.Optimizer] = None):
+                         optimizer: Optional[torch.optim.Optimizer] = None, *,
+                         grad_scaler: Optional[GradScaler] = None,
+                         max_grad_norm: Optional[float] = None, norm_type: float = 2.0,
+                         error_if_nonfinite: bool = False):
         """One forward and backward pass over a batch, in microbatches.
 
         The batch is split into microbatches (dim 0 of every batched tensor of ``input_args``,
@@ -411,17 +418,31 @@ class RoundPipe(nn.Module):
         and has no step hooks, the fused entry point is used (gradients in, model copy out, per
         stage); any other optimizer (a ``torch.optim`` one, one that also holds parameters from
         outside the wrapper, or one with step hooks) is stepped once, after the whole backward.
-        The optimizer's hyperparameters are read when the call starts. Not possible in this
-        mode: clipping by the global gradient norm (use :meth:`step`). If the call raises, the
-        stages already stepped stay stepped.
+        The optimizer's hyperparameters are read when the call starts. If the call raises, the
+        stages already stepped stay stepped. With ``grad_scaler`` or ``max_grad_norm`` the
+        step needs every gradient's verdict first (overflow, the global norm): it runs after
+        the backward instead, in the background (the next call waits for each layer's own
+        update), counted in ``pipeline_stats()["exact_deferred_calls"]`` — still bit for bit
+        ``forward_backward`` + ``step(opt, grad_scaler=..., max_grad_norm=...)``.
+
+        **Loss scaling** (``grad_scaler``, a :class:`roundpipe.GradScaler`): each microbatch's
+        loss is multiplied by the step's scale before its backward (the scale in force when
+        the step's first call started: every call of one step uses the same one; see
+        :meth:`step`); the returned loss is not scaled. Pass the same scaler to :meth:`step`.
 
         Returns:
             The summed loss (0-dim tensor on the host, detached), or ``(loss, outputs)`` with
             ``return_outputs=True`` (outputs merged over microbatches, on the host).
 
+        Args (besides the batch): ``max_grad_norm``, ``norm_type``, ``error_if_nonfinite``:
+            clipping of exact mode's step, as in :meth:`step`.
+
         Raises:
             TypeError: ``loss_fn`` is missing or returns something else than a 1-element
-                tensor, or ``optimizer`` is not a torch optimizer.
+                tensor, ``optimizer`` is not a torch optimizer, ``grad_scaler`` is not a
+                roundpipe.GradScaler, or ``max_grad_norm`` is given without ``optimizer``.
+            ValueError: a bad ``max_grad_norm`` / ``norm_type``, or the calls of one step use
+                different grad scalers.
             RuntimeError: the loss does not require grad; or the call was made from inside
                 this model's own call (see the class docstring).
             The error of a failed asynchronous step (see :meth:`step`). Exceptions from the
@@ -432,34 +453,47 @@ class RoundPipe(nn.Module):
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("RoundPipe.forward_backward: optimizer must be a torch.optim."
                             f"Optimizer, got {type(optimizer).__name__}")
+        clip = Clip.make(max_grad_norm, norm_type, error_if_nonfinite, "RoundPipe.forward_backward")
+        if clip is not None and optimizer is None:
+            raise TypeError("RoundPipe.forward_backward: max_grad_norm clips a step: pass it to "
+                            "step(), or give optimizer= (exact overlapped mode)")
         with self._call("forward_backward"):
             mbs = self._microbatches(input_args, input_kwargs, label, num_microbatch)
-            exact = self._opt.begin_exact(optimizer) if optimizer is not None else None
+            scale = self._steps.begin_call(grad_scaler, exact=optimizer is not None)
+            exact = None
+            if optimizer is not None and clip is None and scale == 1.0 and not (
+                    grad_scaler is not None and grad_scaler.is_enabled()):
+                exact = self._steps.begin_exact(optimizer, self._copies.first_trainable_stage())
             spec = PassSpec(mbs, True, loss_fn, label is not None, return_outputs,
-                            draw_call_seed(), AutocastState.capture())
-            earlier = self._opt.pending()  # the step before this call, if still running
+                            draw_call_seed(), AutocastState.capture(), loss_scale=scale)
+            earlier = self._steps.pending()  # the step before this call, if still running
             try:
-                run = self._run_pass(spec, self._opt.grad_sink(exact))
-                self._opt.wait(earlier)     # that step's error surfaces in this call
-                self._opt.raise_error()
+                run = self._run_pass(spec, self._steps.grad_sink(exact))
+                self._steps.wait(earlier)     # that step's error surfaces in this call
+                self._steps.raise_error()
                 total = torch.zeros((), dtype=torch.float64)
                 for t, _ in run.losses:
                     total += t
                 outputs = [tree for tree, _ in run.outputs] if return_outputs else []
             except BaseException:
-                self._opt.wait()
-                self._copies.clear_grads()
+                self._steps.wait()
+                self._steps.discard()
                 raise
             finally:
                 spec.store.clear()
             if optimizer is not None and exact is None:
-                self._opt.step(optimizer, is_async=False)
+                if self._steps.layerwise(optimizer):
+                    self._steps.step_after_backward(optimizer, grad_scaler, clip)
+                else:
+                    self._steps.step(optimizer, False, grad_scaler, clip)
         loss = total.to(torch.float32)
         return (loss, mb.merge_outputs(outputs)) if return_outputs else loss
 
     # --- the optimizer side --------------------------------------------------------------------------
 
-    def step(self, step_fn: Any, is_async: bool = False) -> Any:
+    def step(self, step_fn: Any, is_async: bool = False, *,
+             grad_scaler: Optional[GradScaler] = None, max_grad_norm: Optional[float] = None,
+             norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Any:
         """Applies the accumulated gradients.
 
         ``step_fn`` is either a callable or an optimizer over the optimizer copies:
@@ -498,12 +532,34 @@ class RoundPipe(nn.Module):
         waits for the step before it returns), which then discards the gradients accumulated
         since; the wrapper stays usable (the model copies are written back as usual).
 
+        **Loss scaling and clipping** (``grad_scaler``: the :class:`roundpipe.GradScaler` the
+        calls since the last step used; ``max_grad_norm``: clip by the global L2 norm over every
+        trainable parameter). First the verdict: the norm of the unscaled gradients, from the
+        squared norms gathered while the gradients were summed on the device (one read of a
+        gradient only when it was summed over several calls); with a scaler, a non-finite norm
+        **skips the whole step** (no parameter, no optimizer state, no step count changes) and
+        the scaler backs off, otherwise the step counts toward growth; with ``max_grad_norm``,
+        ``clip_coef = max_grad_norm / (norm + 1e-6)`` clamped at 1, in float32 as
+        ``torch.nn.utils.clip_grad_norm_``. Then the update: the gradients multiplied by
+        ``float32(1 / scale)`` and by ``clip_coef`` (two roundings, as ``GradScaler.unscale_``
+        then ``clip_grad_norm_``), inside the fused kernel for optimizers stepped layer by
+        layer, in place before ``opt.step()`` / ``step_fn()`` otherwise (a skipped step does
+        not call them). With a synchronous step this is ``torch.amp.GradScaler``'s sequence
+        exactly; with ``is_async=True`` the verdict of step t decides the scale from step t+2
+        on (the calls of step t+1 started before it was known), and an overflow backs off
+        from the scale that overflowed, so one episode halves the scale once.
+        ``error_if_nonfinite`` and ``norm_type`` (2.0 only) as in torch.
+        :meth:`last_step_stats` reports the norm, the skip and the scale.
+
         Returns:
-            What ``step_fn`` returns (None for an optimizer, and with ``is_async=True``).
+            What ``step_fn`` returns (None for an optimizer, with ``is_async=True``, and for a
+            skipped step).
 
         Raises:
-            TypeError: ``step_fn`` is neither callable nor an optimizer, or ``is_async`` is not
-                a bool.
+            TypeError: ``step_fn`` is neither callable nor an optimizer, ``is_async`` is not
+                a bool, or ``grad_scaler`` is not a roundpipe.GradScaler.
+            ValueError: ``grad_scaler`` is not the one the calls since the last step used, or a
+                bad ``max_grad_norm`` / ``norm_type``.
             RuntimeError: called from inside this model's own call (e.g. a closure optimizer
                 whose closure calls ``forward_backward``).
         """
@@ -512,24 +568,32 @@ class RoundPipe(nn.Module):
         if not isinstance(step_fn, torch.optim.Optimizer) and not callable(step_fn):
             raise TypeError("RoundPipe.step: step_fn must be a callable or a torch.optim."
                             f"Optimizer, got {type(step_fn).__name__}")
+        clip = Clip.make(max_grad_norm, norm_type, error_if_nonfinite, "RoundPipe.step")
         with self._call("step"):
-            return self._opt.step(step_fn, is_async)
+            return self._steps.step(step_fn, is_async, grad_scaler, clip)
+
+    def last_step_stats(self) -> StepReport:
+        """The last completed step's ``grad_norm`` (global L2 norm of the unscaled gradients
+        before clipping), ``skipped`` and ``scale`` (see :class:`roundpipe.steps.StepReport`);
+        after an asynchronous step, the one before it until it completes. Reads what the step
+        recorded: no host synchronisation, cheap enough for every iteration's progress bar."""
+        return self._steps.report
 
     def synchronize(self) -> None:
         """Waits until all optimizer work handed to the background (consuming gradients,
         asynchronous steps, exact overlapped mode) is done and the model copies hold every
         update, then raises the background error if there was one (see :meth:`step`). Does
         nothing when called on the optimizer thread (inside an asynchronous step function)."""
-        self._opt.synchronize()
+        self._steps.synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discards the gradients accumulated since the last :meth:`step` (waits for pending
         optimizer work first: that work owns the gradients it was given). Called inside an
         asynchronous ``step_fn``, it clears only that step's gradients (``.grad`` of the
         optimizer copies), not those the next pass is accumulating."""
-        self._opt.wait()
-        if not self._opt.is_current():
-            self._copies.clear_grads()
+        self._steps.wait()
+        if not self._steps.is_current():
+            self._steps.discard()
         for o in self._copies.optim:
             o.grad = None
 
@@ -552,7 +616,7 @@ class RoundPipe(nn.Module):
         """The wrapped model's state dict, with the model's keys; trainable parameters at full
         precision (from the optimizer copies), buffers and frozen parameters from the model.
         Waits for pending optimizer work first (:meth:`synchronize`)."""
-        self._opt.synchronize()
+        self._steps.synchronize()
         sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         return self._copies.state_dict(sd, prefix, keep_vars)
 
@@ -566,7 +630,7 @@ class RoundPipe(nn.Module):
         if assign:
             raise ValueError("RoundPipe.load_state_dict: assign=True is not supported")
         with self._call("load_state_dict"):
-            self._opt.synchronize()
+            self._steps.synchronize()
             result = self.module.load_state_dict(state_dict, strict=strict)
             self._copies.load(state_dict)
             return result

@@ -4,6 +4,7 @@
 // lr (a factor on the delta), L2 weight decay and maximize. The update matches
 // torch.optim.Adadelta (foreach=False) operation by operation, in float32.
 #pragma once
+#include <array>
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
@@ -18,12 +19,26 @@ struct AdadeltaOptions {
   double eps = 1e-6;           ///< added inside both square roots, >= 0
   double weight_decay = 0.0;   ///< L2 penalty, >= 0
   bool maximize = false;       ///< ascend instead of descend
+
+  /// Calls f(name, member pointer) for every field above, in order (for generic code such
+  /// as the Python bindings).
+  template <class F>
+  static void for_each_field(F&& f) {
+    f("lr", &AdadeltaOptions::lr);
+    f("rho", &AdadeltaOptions::rho);
+    f("eps", &AdadeltaOptions::eps);
+    f("weight_decay", &AdadeltaOptions::weight_decay);
+    f("maximize", &AdadeltaOptions::maximize);
+  }
 };
 
 /// ParamBuffers slots for Adadelta (torch.optim.Adadelta's state keys; all start as zeros).
 struct AdadeltaState {
   enum : int { square_avg = 0, acc_delta = 1 };
   enum : int { step = 0 };  // scalar slot
+  /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
+  static constexpr auto state_names = std::array{"square_avg", "acc_delta"};
+  static constexpr auto scalar_names = std::array{"step"};
 };
 
 /// Runs one Adadelta step on `count` tensors, spread over the worker pool, with the active ISA.

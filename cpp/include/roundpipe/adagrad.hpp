@@ -8,6 +8,7 @@
 //   g = maximize ? -grad : grad;   g = g + weight_decay * p
 //   sum = sum + g * g;             p = p - clr * g / (sqrt(sum) + eps)
 #pragma once
+#include <array>
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
@@ -25,6 +26,18 @@ struct AdagradOptions {
   double initial_accumulator_value = 0.0;  ///< start value of `sum`, >= 0
   double eps = 1e-10;          ///< added to the denominator, >= 0
   bool maximize = false;       ///< ascend instead of descend
+
+  /// Calls f(name, member pointer) for every field above, in order (for generic code such
+  /// as the Python bindings).
+  template <class F>
+  static void for_each_field(F&& f) {
+    f("lr", &AdagradOptions::lr);
+    f("lr_decay", &AdagradOptions::lr_decay);
+    f("weight_decay", &AdagradOptions::weight_decay);
+    f("initial_accumulator_value", &AdagradOptions::initial_accumulator_value);
+    f("eps", &AdagradOptions::eps);
+    f("maximize", &AdagradOptions::maximize);
+  }
 };
 
 /// ParamBuffers slots for Adagrad (torch.optim.Adagrad's state keys). `sum` starts filled with
@@ -33,6 +46,9 @@ struct AdagradOptions {
 struct AdagradState {
   enum : int { sum = 0 };
   enum : int { step = 0 };  // scalar slot
+  /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
+  static constexpr auto state_names = std::array{"sum"};
+  static constexpr auto scalar_names = std::array{"step"};
 };
 
 /// Runs one Adagrad step on `count` tensors, spread over the worker pool, with the active ISA.

@@ -7,6 +7,7 @@
 // are computed in double from the float32 step count, as torch does, and the element-wise math
 // runs in float32.
 #pragma once
+#include <array>
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
@@ -24,12 +25,29 @@ struct AdamOptions {
   bool amsgrad = false;        ///< keep the running maximum of exp_avg_sq
   bool maximize = false;       ///< ascend instead of descend
   bool decoupled_weight_decay = false;  ///< AdamW: p *= 1 - lr * weight_decay
+
+  /// Calls f(name, member pointer) for every field above, in order (for generic code such
+  /// as the Python bindings).
+  template <class F>
+  static void for_each_field(F&& f) {
+    f("lr", &AdamOptions::lr);
+    f("beta1", &AdamOptions::beta1);
+    f("beta2", &AdamOptions::beta2);
+    f("eps", &AdamOptions::eps);
+    f("weight_decay", &AdamOptions::weight_decay);
+    f("amsgrad", &AdamOptions::amsgrad);
+    f("maximize", &AdamOptions::maximize);
+    f("decoupled_weight_decay", &AdamOptions::decoupled_weight_decay);
+  }
 };
 
 /// ParamBuffers slots for Adam (torch.optim.Adam's state keys; all start as zeros).
 struct AdamState {
   enum : int { exp_avg = 0, exp_avg_sq = 1, max_exp_avg_sq = 2 /* iff amsgrad */ };
   enum : int { step = 0 };  // scalar slot
+  /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
+  static constexpr auto state_names = std::array{"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  static constexpr auto scalar_names = std::array{"step"};
 };
 
 /// Runs one Adam step on `count` tensors, spread over the worker pool, with the active ISA.

@@ -7,6 +7,7 @@
 // computed in double from the float32 step count, as torch does; the element-wise math runs in
 // float32.
 #pragma once
+#include <array>
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
@@ -22,12 +23,27 @@ struct AdamaxOptions {
   double eps = 1e-8;           ///< added to |g| inside the maximum, >= 0
   double weight_decay = 0.0;   ///< L2 penalty, >= 0
   bool maximize = false;       ///< ascend instead of descend
+
+  /// Calls f(name, member pointer) for every field above, in order (for generic code such
+  /// as the Python bindings).
+  template <class F>
+  static void for_each_field(F&& f) {
+    f("lr", &AdamaxOptions::lr);
+    f("beta1", &AdamaxOptions::beta1);
+    f("beta2", &AdamaxOptions::beta2);
+    f("eps", &AdamaxOptions::eps);
+    f("weight_decay", &AdamaxOptions::weight_decay);
+    f("maximize", &AdamaxOptions::maximize);
+  }
 };
 
 /// ParamBuffers slots for Adamax (torch.optim.Adamax's state keys; all start as zeros).
 struct AdamaxState {
   enum : int { exp_avg = 0, exp_inf = 1 };
   enum : int { step = 0 };  // scalar slot
+  /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
+  static constexpr auto state_names = std::array{"exp_avg", "exp_inf"};
+  static constexpr auto scalar_names = std::array{"step"};
 };
 
 /// Runs one Adamax step on `count` tensors, spread over the worker pool, with the active ISA.

@@ -9,6 +9,7 @@
 // (foreach=False) operation by operation: eta and mu are computed in double from the float32
 // step count and stored as float32, as torch does; the element-wise math runs in float32.
 #pragma once
+#include <array>
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
@@ -25,6 +26,18 @@ struct AsgdOptions {
   double t0 = 1e6;             ///< step from which averaging starts
   double weight_decay = 0.0;   ///< L2 penalty, >= 0
   bool maximize = false;       ///< ascend instead of descend
+
+  /// Calls f(name, member pointer) for every field above, in order (for generic code such
+  /// as the Python bindings).
+  template <class F>
+  static void for_each_field(F&& f) {
+    f("lr", &AsgdOptions::lr);
+    f("lambd", &AsgdOptions::lambd);
+    f("alpha", &AsgdOptions::alpha);
+    f("t0", &AsgdOptions::t0);
+    f("weight_decay", &AsgdOptions::weight_decay);
+    f("maximize", &AsgdOptions::maximize);
+  }
 };
 
 /// ParamBuffers slots for ASGD (torch.optim.ASGD's state keys). `ax` starts as zeros; the 0-dim
@@ -32,6 +45,9 @@ struct AsgdOptions {
 struct AsgdState {
   enum : int { ax = 0 };
   enum : int { step = 0, eta = 1, mu = 2 };  // scalar slots
+  /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
+  static constexpr auto state_names = std::array{"ax"};
+  static constexpr auto scalar_names = std::array{"step", "eta", "mu"};
 };
 
 /// Runs one ASGD step on `count` tensors, spread over the worker pool, with the active ISA.

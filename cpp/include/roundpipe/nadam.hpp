@@ -9,6 +9,7 @@
 // mu_t is a float32 value (torch keeps it as a 0-dim float32 tensor and multiplies it by mu_t,
 // rounded to float32, at every step); the element-wise math runs in float32.
 #pragma once
+#include <array>
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
@@ -26,6 +27,20 @@ struct NAdamOptions {
   double momentum_decay = 4e-3;  ///< psi in mu_t = beta1 * (1 - 0.5 * 0.96^(t * psi)), >= 0
   bool decoupled_weight_decay = false;  ///< NAdamW: p *= 1 - lr * weight_decay
   bool maximize = false;         ///< ascend instead of descend
+
+  /// Calls f(name, member pointer) for every field above, in order (for generic code such
+  /// as the Python bindings).
+  template <class F>
+  static void for_each_field(F&& f) {
+    f("lr", &NAdamOptions::lr);
+    f("beta1", &NAdamOptions::beta1);
+    f("beta2", &NAdamOptions::beta2);
+    f("eps", &NAdamOptions::eps);
+    f("weight_decay", &NAdamOptions::weight_decay);
+    f("momentum_decay", &NAdamOptions::momentum_decay);
+    f("decoupled_weight_decay", &NAdamOptions::decoupled_weight_decay);
+    f("maximize", &NAdamOptions::maximize);
+  }
 };
 
 /// ParamBuffers slots for NAdam (torch.optim.NAdam's state keys). exp_avg and exp_avg_sq start
@@ -33,6 +48,9 @@ struct NAdamOptions {
 struct NAdamState {
   enum : int { exp_avg = 0, exp_avg_sq = 1 };
   enum : int { step = 0, mu_product = 1 };  // scalar slots
+  /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
+  static constexpr auto state_names = std::array{"exp_avg", "exp_avg_sq"};
+  static constexpr auto scalar_names = std::array{"step", "mu_product"};
 };
 
 /// Runs one NAdam step on `count` tensors, spread over the worker pool, with the active ISA.

@@ -1,6 +1,7 @@
 // Umbrella header of the RoundPipe CPU optimizer library (target RoundPipe::optim).
 #pragma once
 #include "roundpipe/adadelta.hpp"
+#include "roundpipe/algorithms.hpp"
 #include "roundpipe/adagrad.hpp"
 #include "roundpipe/adam.hpp"
 #include "roundpipe/adamax.hpp"

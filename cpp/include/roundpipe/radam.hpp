@@ -9,6 +9,7 @@
 // operation by operation: rho_t, r_t and the bias corrections are computed in double from the
 // float32 step count, as torch does, and the element-wise math runs in float32.
 #pragma once
+#include <array>
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
@@ -25,12 +26,28 @@ struct RAdamOptions {
   double weight_decay = 0.0;     ///< L2 penalty (or decoupled decay), >= 0
   bool decoupled_weight_decay = false;  ///< RAdamW: p *= 1 - lr * weight_decay
   bool maximize = false;         ///< ascend instead of descend
+
+  /// Calls f(name, member pointer) for every field above, in order (for generic code such
+  /// as the Python bindings).
+  template <class F>
+  static void for_each_field(F&& f) {
+    f("lr", &RAdamOptions::lr);
+    f("beta1", &RAdamOptions::beta1);
+    f("beta2", &RAdamOptions::beta2);
+    f("eps", &RAdamOptions::eps);
+    f("weight_decay", &RAdamOptions::weight_decay);
+    f("decoupled_weight_decay", &RAdamOptions::decoupled_weight_decay);
+    f("maximize", &RAdamOptions::maximize);
+  }
 };
 
 /// ParamBuffers slots for RAdam (torch.optim.RAdam's state keys; all start as zeros).
 struct RAdamState {
   enum : int { exp_avg = 0, exp_avg_sq = 1 };
   enum : int { step = 0 };  // scalar slot
+  /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
+  static constexpr auto state_names = std::array{"exp_avg", "exp_avg_sq"};
+  static constexpr auto scalar_names = std::array{"step"};
 };
 
 /// Runs one RAdam step on `count` tensors, spread over the worker pool, with the active ISA.

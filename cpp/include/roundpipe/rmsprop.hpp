@@ -14,6 +14,7 @@
 //   momentum > 0: buf = buf * momentum + g / avg;  p = p - lr * buf
 //   otherwise:    p = p - lr * g / avg
 #pragma once
+#include <array>
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
@@ -30,6 +31,19 @@ struct RMSpropOptions {
   double momentum = 0.0;       ///< momentum factor, >= 0 (0: no momentum buffer)
   bool centered = false;       ///< normalise by the variance estimate instead of the 2nd moment
   bool maximize = false;       ///< ascend instead of descend
+
+  /// Calls f(name, member pointer) for every field above, in order (for generic code such
+  /// as the Python bindings).
+  template <class F>
+  static void for_each_field(F&& f) {
+    f("lr", &RMSpropOptions::lr);
+    f("alpha", &RMSpropOptions::alpha);
+    f("eps", &RMSpropOptions::eps);
+    f("weight_decay", &RMSpropOptions::weight_decay);
+    f("momentum", &RMSpropOptions::momentum);
+    f("centered", &RMSpropOptions::centered);
+    f("maximize", &RMSpropOptions::maximize);
+  }
 };
 
 /// ParamBuffers slots for RMSprop (torch.optim.RMSprop's state keys; all start as zeros).
@@ -40,6 +54,9 @@ struct RMSpropState {
     grad_avg = 2 /* iff centered */
   };
   enum : int { step = 0 };  // scalar slot: counted as torch does, read by nothing
+  /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
+  static constexpr auto state_names = std::array{"square_avg", "momentum_buffer", "grad_avg"};
+  static constexpr auto scalar_names = std::array{"step"};
 };
 
 /// Runs one RMSprop step on `count` tensors, spread over the worker pool, with the active ISA.

@@ -10,6 +10,7 @@
 // of NaN (torch.sign(NaN) is 0: a NaN gradient leaves the step size and the parameter as they
 // are, and is remembered as the previous gradient, which then leaves the next step size alone).
 #pragma once
+#include <array>
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
@@ -30,6 +31,18 @@ struct RpropOptions {
                                 ///< torch's clamp, max wins when it is below min, and a NaN
                                 ///< bound makes every step size NaN
   bool maximize = false;        ///< ascend instead of descend
+
+  /// Calls f(name, member pointer) for every field above, in order (for generic code such
+  /// as the Python bindings).
+  template <class F>
+  static void for_each_field(F&& f) {
+    f("lr", &RpropOptions::lr);
+    f("etaminus", &RpropOptions::etaminus);
+    f("etaplus", &RpropOptions::etaplus);
+    f("step_size_min", &RpropOptions::step_size_min);
+    f("step_size_max", &RpropOptions::step_size_max);
+    f("maximize", &RpropOptions::maximize);
+  }
 };
 
 /// ParamBuffers slots for Rprop (torch.optim.Rprop's state keys). prev starts as zeros,
@@ -37,6 +50,9 @@ struct RpropOptions {
 struct RpropState {
   enum : int { prev = 0, step_size = 1 };
   enum : int { step = 0 };  // scalar slot
+  /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
+  static constexpr auto state_names = std::array{"prev", "step_size"};
+  static constexpr auto scalar_names = std::array{"step"};
 };
 
 /// Sets a tensor's state as torch.optim.Rprop creates it: step = 0, prev = 0, step_size = lr.

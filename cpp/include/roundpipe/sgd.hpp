@@ -10,6 +10,7 @@
 //   g = nesterov ? g + momentum * buf : buf
 //   p = p - lr * g
 #pragma once
+#include <array>
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
@@ -25,6 +26,18 @@ struct SGDOptions {
   double weight_decay = 0.0;   ///< L2 penalty, >= 0
   bool nesterov = false;       ///< Nesterov momentum; needs momentum > 0 and dampening == 0
   bool maximize = false;       ///< ascend instead of descend
+
+  /// Calls f(name, member pointer) for every field above, in order (for generic code such
+  /// as the Python bindings).
+  template <class F>
+  static void for_each_field(F&& f) {
+    f("lr", &SGDOptions::lr);
+    f("momentum", &SGDOptions::momentum);
+    f("dampening", &SGDOptions::dampening);
+    f("weight_decay", &SGDOptions::weight_decay);
+    f("nesterov", &SGDOptions::nesterov);
+    f("maximize", &SGDOptions::maximize);
+  }
 };
 
 /// ParamBuffers slots for SGD.
@@ -42,6 +55,9 @@ struct SGDOptions {
 struct SGDState {
   enum : int { momentum_buffer = 0 };
   enum : int { momentum_buffer_ready = 0 };  // scalar slot (a 0/1 flag, not torch state)
+  /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
+  static constexpr auto state_names = std::array{"momentum_buffer"};
+  static constexpr auto scalar_names = std::array{"momentum_buffer_ready"};
 };
 
 /// Runs one SGD step on `count` tensors, spread over the worker pool, with the active ISA.

@@ -7,6 +7,7 @@
 // as the optimizers. An optimizer step as fast as stream_step runs at the machine's memory
 // bandwidth for its byte count. The values it writes are meaningless.
 #pragma once
+#include <array>
 #include <cstddef>
 
 #include "roundpipe/buffers.hpp"
@@ -16,6 +17,19 @@ namespace roundpipe {
 
 struct StreamOptions {
   int states = 2;  ///< state arrays read and written per parameter, in [0, ParamBuffers::kMaxState]
+
+  /// Calls f(name, member pointer) for every field above, in order (for generic code such
+  /// as the Python bindings).
+  template <class F>
+  static void for_each_field(F&& f) {
+    f("states", &StreamOptions::states);
+  }
+};
+
+/// ParamBuffers slots for stream_step: the first `states` state arrays, no scalars.
+struct StreamState {
+  static constexpr auto state_names = std::array{"state0", "state1", "state2"};
+  static constexpr std::array<const char*, 0> scalar_names{};
 };
 
 /// Streams over `count` tensors: for each element, s = param + grad + state[0..states), then

@@ -1,8 +1,12 @@
 // The worker pool that spreads one optimizer step over CPU cores.
 //
 // A step call splits the concatenated elements of all its tensors into cache-line aligned chunks
-// and runs them on a persistent pool (the calling thread takes part; workers sleep between
-// steps). Small steps run on the calling thread alone.
+// and runs them on a pool (the calling thread takes part; workers sleep between steps). A step
+// on t threads (at most one per chunk; small steps run on the calling thread alone) wakes and
+// waits for t - 1 workers only. Workers up to num_threads() stay; those made for a larger
+// per-call count (ThreadCountScope) exit after one second idle. Steps from several threads run
+// one after the other. fork() waits for a running step; the child gets a pool of its own. The
+// pool is never torn down, so exit() while a step runs in another thread is safe.
 #pragma once
 
 namespace roundpipe {
@@ -10,8 +14,8 @@ namespace roundpipe {
 /// Threads a step uses, counting the caller. Defaults to the CPUs this process may run on.
 int num_threads();
 
-/// Sets the threads a step uses, in [1, 1024]. Throws roundpipe::Error otherwise. Not to be called while
-/// a step runs.
+/// Sets the threads a step uses, in [1, 1024] (waits for a running step). Throws
+/// roundpipe::Error otherwise.
 void set_num_threads(int n);
 
 /// Within its lifetime, steps called from the constructing thread use `n` threads instead of

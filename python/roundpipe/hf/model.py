@@ -123,8 +123,10 @@ class HFRoundPipe(RoundPipe):
     def forward_backward(self, input_args: tuple = (), input_kwargs: Optional[dict] = None,
                          label: Any = None, loss_fn: Optional[Callable[..., torch.Tensor]] = None,
                          return_outputs: bool = False, num_microbatch: Optional[int] = None,
-                         optimizer: Optional[torch.optim.Optimizer] = None):
-        """One forward and backward pass (see :meth:`roundpipe.RoundPipe.forward_backward`).
+                         optimizer: Optional[torch.optim.Optimizer] = None, **step_kwargs: Any):
+        """One forward and backward pass (see :meth:`roundpipe.RoundPipe.forward_backward`;
+        ``step_kwargs``: its ``grad_scaler``, ``max_grad_norm``, ``norm_type``,
+        ``error_if_nonfinite``).
 
         Without ``loss_fn``: HF's causal-LM loss of the **whole batch**.
         ``input_kwargs`` holds ``input_ids`` (or ``inputs_embeds``), optionally
@@ -154,7 +156,7 @@ class HFRoundPipe(RoundPipe):
                                 "label=, not labels in input_kwargs")
             self._begin_routing()
             return super().forward_backward(input_args, kwargs, label, loss_fn, return_outputs,
-                                            num_microbatch, optimizer)
+                                            num_microbatch, optimizer, **step_kwargs)
         if input_args:
             raise TypeError("RoundPipe.forward_backward: pass the model inputs as input_kwargs "
                             "(input_ids=..., labels=...)")
@@ -177,7 +179,7 @@ class HFRoundPipe(RoundPipe):
         denominator = float(num_items)
         stats = self._begin_routing()
         loss = super().forward_backward((), inputs, None, lambda total: total / denominator,
-                                        False, num_microbatch, optimizer)
+                                        False, num_microbatch, optimizer, **step_kwargs)
         if stats is not None:
             loss = loss + self._routing.coef * stats.aux_loss()
         return loss

@@ -4,6 +4,7 @@ messages), and gathering a parameter group into the lists one C++ call takes."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 import warnings
@@ -108,8 +109,8 @@ class CpuOptimizer(Optimizer):
     - ``_scalar_keys``: its 0-dim float32 state tensors, ``"step"`` first;
     - ``_active_state_keys(group)``: the state keys a group uses (default: all);
     - ``_group_defaults``: the options torch's ``__setstate__`` adds to old param groups;
-    - ``_init_state(group, p, state)``: fills the missing keys as torch initialises them
-      (default: zeros; see below);
+    - ``_init_state(group, p, state)``: fills a parameter's empty state as torch initialises
+      it (default: zeros; see below);
     - ``_options(group)``: the ``roundpipe._C.<Name>Options`` for a group.
 
     ``foreach`` and ``fused`` are accepted and ignored with a ``UserWarning`` (the group keeps
@@ -166,8 +167,9 @@ class CpuOptimizer(Optimizer):
                 )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.load_state_dict``; 0-dim state saved in another floating
-        dtype (e.g. a float64 ``step``) is converted to the float32 the kernels keep.
+        """As ``torch.optim.Optimizer.load_state_dict``; 0-dim state saved in another dtype (an
+        int64 or float64 ``step``, which torch keeps as it is) is converted to the float32 the
+        kernels keep, so the next steps compute what torch computes from it.
 
         Raises:
             ValueError: (before anything changes) a per-element state tensor's shape differs from
@@ -186,46 +188,43 @@ class CpuOptimizer(Optimizer):
                             f"roundpipe.optim.{type(self).__name__}.load_state_dict: state "
                             f"{key!r} of parameter {saved} has shape {tuple(v.shape)}, the "
                             f"parameter {tuple(p.shape)}")
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # ends with __setstate__, which converts 0-dim state
+
+    def _scalar_state_to_tensors(self) -> None:
+        """0-dim state as the kernels keep it, float32 tensors: Python numbers (old checkpoints;
+        torch's ``__setstate__`` converts them too) and tensors of another dtype (an int64 or
+        float64 ``step``, which torch accepts) are converted."""
         for p_state in self.state.values():
             for key in self._scalar_keys:
                 v = p_state.get(key)
-                if torch.is_tensor(v) and v.dtype != torch.float32 and v.is_floating_point():
-                    p_state[key] = v.to(torch.float32)
-
-    def _scalar_state_to_tensors(self, keys: tuple[str, ...] = ("step",)) -> None:
-        """As torch's ``__setstate__``: 0-dim state saved as Python numbers by old checkpoints
-        becomes float32 tensors again."""
-        for p_state in self.state.values():
-            for key in keys:
-                if key in p_state and not torch.is_tensor(p_state[key]):
-                    p_state[key] = torch.tensor(float(p_state[key]), dtype=torch.float32)
+                if v is None or (torch.is_tensor(v) and v.dtype == torch.float32):
+                    continue
+                p_state[key] = (v.to(torch.float32) if torch.is_tensor(v)
+                                else torch.tensor(float(v), dtype=torch.float32))
 
     def _active_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._state_keys
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict) -> None:
-        """Creates the missing state as torch initialises most algorithms' state: each 0-dim
-        value (``_scalar_keys``) a float32 zero, each per-element tensor the group uses
+        """Fills the empty ``state`` of ``p`` as torch initialises most algorithms' state: each
+        0-dim value (``_scalar_keys``) a float32 zero, each per-element tensor the group uses
         (``_active_state_keys``) zeros shaped like ``p`` (large ones in their own memory
         mapping, see :mod:`roundpipe.host_buffers`). Algorithms that start elsewhere override
         it."""
         for key in self._scalar_keys:
-            if key not in state:
-                state[key] = torch.zeros((), dtype=torch.float32)
+            state[key] = torch.zeros((), dtype=torch.float32)
         for key in self._active_state_keys(group):
-            if key not in state:
-                state[key] = host_zeros(p.shape, p.dtype)
+            state[key] = host_zeros(p.shape, p.dtype)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """As torch's ``__setstate__``: param groups from old checkpoints get the options they
-        lack (``_group_defaults``, the keys the torch class fills in), and 0-dim state saved as
-        Python numbers becomes float32 tensors again."""
+        lack (``_group_defaults``, the keys the torch class fills in); 0-dim state becomes
+        float32 tensors (``_scalar_state_to_tensors``)."""
         super().__setstate__(state)
         for group in self.param_groups:
             for key, value in self._group_defaults.items():
                 group.setdefault(key, value)
-        self._scalar_state_to_tensors(self._scalar_keys)
+        self._scalar_state_to_tensors()
 
     def _options(self, group: dict[str, Any]) -> Any:
         raise NotImplementedError
@@ -255,10 +254,16 @@ class CpuOptimizer(Optimizer):
 
         try:
             states, scalars = gather()
-        except KeyError:  # state not created yet (first step): created here as torch does
-            needed = frozenset(self._scalar_keys + active)
+        except KeyError:
+            # As torch: a parameter without state (its first step) gets it now; state that
+            # lacks a key the group needs (a damaged checkpoint, amsgrad switched on later) is
+            # torch's KeyError naming the key, raised before anything is created or stepped.
+            for st in pstates:
+                missing = [k for k in active + self._scalar_keys if st and k not in st]
+                if missing:
+                    raise KeyError(missing[0]) from None
             for p, st in zip(params, pstates):
-                if st is not None and not needed <= st.keys():
+                if st is not None and not st:
                     self._init_state(group, p, st)
             states, scalars = gather()
         kparams = [None if st is None else p for p, st in zip(params, pstates)]
@@ -297,13 +302,14 @@ class CpuOptimizer(Optimizer):
     @torch.no_grad()
     def fused_step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    model_copies: Optional[Sequence[torch.Tensor]] = None, *,
-                   grad_scale: Optional[float] = None, grad_norm: bool = False) -> StepStats:
+                   grad_scale: Optional[float] = None, clip_factor: float = 1.0,
+                   grad_norm: bool = False) -> StepStats:
         """Steps only ``params``, with the gradients ``grads`` instead of their ``.grad``, and
         writes the updated values into ``model_copies``: the mixed-precision entry point of
         the pipeline (a layer's parameters are stepped as soon as its gradients are final).
 
         The result equals, bit for bit, setting ``p.grad = g.float() * (1 / grad_scale)``
-        (the factor rounded to float32) for each pair, calling :meth:`step` on an optimizer
+        (the factor rounded to float32; then ``* clip_factor``) for each pair, calling :meth:`step` on an optimizer
         holding only these parameters (each with its own group's hyperparameters), then
         ``copy.copy_(p)`` (round to nearest even). State is created and step counts advance
         as in :meth:`step`; parameters' ``.grad`` are neither read nor changed.
@@ -317,7 +323,12 @@ class CpuOptimizer(Optimizer):
             grad_scale: the gradients are multiplied by ``1 / grad_scale`` (e.g. a loss scale;
                 a number or a 1-element floating tensor, finite and > 0). The update is applied even when a gradient is inf or
                 NaN; check ``found_inf`` (or check the gradients before) to skip a step.
-            grad_norm: also return the squared L2 norm of the unscaled gradients.
+            clip_factor: then the gradients are multiplied by this number rounded to float32, a
+                second rounding (``g * float32(1 / grad_scale) * float32(clip_factor)``, as
+                ``torch.nn.utils.clip_grad_norm_`` after ``GradScaler.unscale_``; default 1:
+                not applied). NaN is accepted and spreads, as torch's clipping by a NaN norm.
+            grad_norm: also return the squared L2 norm of the unscaled gradients (before
+                ``clip_factor``).
 
         Returns:
             :class:`StepStats`.
@@ -329,6 +340,7 @@ class CpuOptimizer(Optimizer):
                 not finite and > 0 (with a finite float32 reciprocal).
             TypeError: a tensor has the wrong dtype or device.
             RuntimeError: a gradient is sparse.
+            KeyError: a parameter's state lacks a key its group needs (as :meth:`step`).
         Nothing is modified when a check of the arguments fails. The parameters' own tensors
         (parameter, state) are checked group by group as each group steps, as in :meth:`step`:
         a bad tensor there (e.g. a corrupted state tensor) leaves the earlier groups stepped.
@@ -343,6 +355,10 @@ class CpuOptimizer(Optimizer):
                              f"got {len(params)}, {len(grads)}"
                              + (f", {len(copies)}" if copies is not None else ""))
         scale = _grad_scale(grad_scale, name)
+        if isinstance(clip_factor, bool) or not isinstance(clip_factor, numbers.Real) \
+                or math.isinf(clip_factor):
+            raise ValueError(f"{name}: clip_factor must be a finite real number (or NaN), got "
+                             f"{clip_factor!r}")
         by_group: dict[int, list[int]] = {}
         seen: set[int] = set()
         for i, p in enumerate(params):
@@ -377,6 +393,7 @@ class CpuOptimizer(Optimizer):
                     raise ValueError(f"{name}: {what}[{i}] must be contiguous")
         io = _C.StepIO()
         io.grad_scale = scale
+        io.grad_clip = float(clip_factor)
         io.want_grad_norm = bool(grad_norm)
         self._opt_called = True  # an optimizer step for torch's LR schedulers (no warning)
         found_inf, norm_sq = False, 0.0
@@ -407,6 +424,8 @@ class CpuOptimizer(Optimizer):
 
         Raises:
             RuntimeError: a gradient is sparse.
+            KeyError: a parameter's state lacks a key its group needs (e.g. ``exp_avg_sq``, or
+                ``max_exp_avg_sq`` once ``amsgrad`` is switched on), as torch.optim raises it.
             TypeError: a parameter, gradient or state tensor is not a float32 CPU tensor (the
                 message names the group and the parameter's position in it).
             ValueError: a tensor is not contiguous or not shaped like its parameter, or the

@@ -96,12 +96,10 @@ class Adagrad(CpuOptimizer):
     def _init_state(self, group, p, state):
         # torch fills `sum` with the constructor's value (self.defaults), also for a param
         # group that names its own initial_accumulator_value.
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        if "sum" not in state:
-            state["sum"] = torch.full_like(
-                p, self.defaults["initial_accumulator_value"], memory_format=torch.preserve_format
-            )
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["sum"] = torch.full_like(
+            p, self.defaults["initial_accumulator_value"], memory_format=torch.preserve_format
+        )
 
     def _options(self, group):
         o = _C.AdagradOptions()

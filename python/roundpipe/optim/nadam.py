@@ -83,11 +83,10 @@ class NAdam(CpuOptimizer):
         super().__init__(params, defaults)
 
     def _init_state(self, group, p, state):
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["mu_product"] = torch.tensor(1.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["mu_product"] = torch.tensor(1.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _options(self, group):
         o = _C.NAdamOptions()

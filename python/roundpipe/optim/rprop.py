@@ -78,13 +78,12 @@ class Rprop(CpuOptimizer):
         super().__init__(params, defaults)
 
     def _init_state(self, group, p, state):
-        if "step" not in state:
-            lr = group["lr"]
-            if isinstance(lr, torch.Tensor) and lr.dim() != 0:
-                lr = lr.squeeze()  # torch's _to_scalar
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["prev"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step_size"] = torch.full_like(p, lr, memory_format=torch.preserve_format)
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.dim() != 0:
+            lr = lr.squeeze()  # torch's _to_scalar
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["prev"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step_size"] = torch.full_like(p, lr, memory_format=torch.preserve_format)
 
     def _options(self, group):
         o = _C.RpropOptions()

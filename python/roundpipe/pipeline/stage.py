@@ -67,6 +67,8 @@ class PassSpec:
         call_seed: the call's seed (see :func:`roundpipe.layer_seed`).
         autocast: the caller's autocast state.
         store: data layers keep for their recomputation (see :mod:`roundpipe.recompute`).
+        loss_scale: each microbatch's loss is multiplied by it (a float32, as torch's
+            GradScaler) before its backward; the reported loss is not.
     """
 
     microbatches: list
@@ -77,6 +79,7 @@ class PassSpec:
     call_seed: int = 0
     autocast: AutocastState = field(default_factory=AutocastState.capture)
     store: dict = field(default_factory=dict)
+    loss_scale: float = 1.0
 
 
 class _StageInput(torch.autograd.Function):
@@ -188,6 +191,9 @@ class StageVisit:
                 if spec.return_outputs:
                     out["output"] = io.to_host(y, "output")
                 y = None
+                if spec.loss_scale != 1.0:
+                    loss = loss * torch.full((), spec.loss_scale, dtype=torch.float32,
+                                             device=loss.device)
                 loss.backward()
             else:
                 g_host, g_event = grad_output

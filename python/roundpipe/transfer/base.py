@@ -69,6 +69,9 @@ class GradDownload(NamedTuple):
     Attributes:
         items: ``(optimizer-copy index, host gradient)``; fp32, or the model dtype when the
             call had one microbatch.
+        norms_sq: float64 host vector, the squared L2 norm of each gradient, computed on the
+            device before the download (for clipping and overflow checks without reading
+            the gradients again on the host).
         event: ready once the copies are done (``None``: already done); wait for it with the
             device's ``host_wait``.
         owned: the host tensors are fresh and may be kept (else they are staging memory and
@@ -77,6 +80,7 @@ class GradDownload(NamedTuple):
     """
 
     items: list[tuple[int, torch.Tensor]]
+    norms_sq: torch.Tensor
     event: Any
     owned: bool
     release: Callable[[], None]
@@ -240,9 +244,9 @@ class DeviceIO:
         return g.float()
 
     def download_grads(self, weights: StageWeights, abort) -> Optional[GradDownload]:
-        """Downloads the stage's gradient sums once (waiting while
-        :attr:`grad_downloads_in_flight` earlier downloads of this device are not consumed);
-        ``None`` when no parameter got a gradient."""
+        """Downloads the stage's gradient sums once, with their squared norms computed on the
+        device (waiting while :attr:`grad_downloads_in_flight` earlier downloads of this device
+        are not consumed); ``None`` when no parameter got a gradient."""
         sources = []
         for i, t in weights.trainable:
             g = weights.grad_sums.pop(i, None)
@@ -253,16 +257,20 @@ class DeviceIO:
                 sources.append((i, g))
         if not sources:
             return None
+        norms_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
+                                for _, g in sources]).square_()
         self._grad_permits.acquire(abort)
         try:
             for _, g in sources:
                 self.stats.moved("d2h", "param_grad", nbytes(g))
-            return self._download_grads(sources)
+            self.stats.moved("d2h", "output", nbytes(norms_sq))
+            return self._download_grads(sources, norms_sq)
         except BaseException:
             self._grad_permits.release()
             raise
 
-    def _download_grads(self, sources: list[tuple[int, torch.Tensor]]) -> GradDownload:
+    def _download_grads(self, sources: list[tuple[int, torch.Tensor]],
+                        norms_sq: torch.Tensor) -> GradDownload:
         raise NotImplementedError
 
     def write_back_buffers(self, weights: StageWeights) -> None:

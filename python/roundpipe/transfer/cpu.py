@@ -51,8 +51,8 @@ class CpuIO(DeviceIO):
         self.stats.add("weights_wait_s", seconds)  # the compute waited for the whole copy
         return None
 
-    def _download_grads(self, sources) -> GradDownload:
-        return GradDownload(sources, None, True, self._grad_permits.release)
+    def _download_grads(self, sources, norms_sq) -> GradDownload:
+        return GradDownload(sources, norms_sq, None, True, self._grad_permits.release)
 
     def _write_back_buffers(self, changed) -> None:
         with torch.no_grad():

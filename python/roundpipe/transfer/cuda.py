@@ -356,9 +356,10 @@ class CudaIO(DeviceIO):
                 self.stats.add("pinned_bytes", self._ring.size)
             return self._free_slots.pop()
 
-    def _download_grads(self, sources) -> GradDownload:
+    def _download_grads(self, sources, norms_sq) -> GradDownload:
         slot = self._take_slot()
         self._begin_download()
+        norms_host = self._copy_to_host(norms_sq)
         items, offset = [], slot
         for i, g in sources:
             view = self._ring.view(offset, g)
@@ -373,7 +374,7 @@ class CudaIO(DeviceIO):
                 self._free_slots.append(slot)
             self._grad_permits.release()
 
-        return GradDownload(items, event, False, release)
+        return GradDownload(items, norms_host, event, False, release)
 
     def _write_back_buffers(self, changed) -> None:
         self._begin_download()

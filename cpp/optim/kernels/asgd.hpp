@@ -1,4 +1,4 @@
-// ASGD's element-wise update, written once over the SIMD vector types of roundpipe/simd.
+// ASGD's element-wise update, written once over the SIMD vector types of cpp/optim/simd.
 //
 // AsgdCoeffs holds one tensor's float32 coefficients, computed by asgd_step (cpp/optim/asgd.cpp)
 // from the tensor's stored eta and mu as torch.optim.ASGD computes them; the kernel applies, per
@@ -9,19 +9,18 @@
 #pragma once
 #include <cstddef>
 
+#include "gradient.hpp"
 #include "roundpipe/asgd.hpp"
 
 namespace roundpipe {
 namespace detail {
 
 struct AsgdCoeffs {
-  bool use_weight_decay;   // torch's `weight_decay != 0`, decided on the double
-  float weight_decay;
+  GradCoeffs grad;         // maximize, L2 weight decay (gradient.hpp)
   float decay;             // 1 - lambd * eta
   float neg_eta;
   bool average;            // mu != 1: ax moves towards p by mu; otherwise ax = p
   float mu;
-  bool maximize;
 };
 
 }  // namespace detail
@@ -38,10 +37,8 @@ inline void asgd_kernel(const detail::AsgdCoeffs& c, const ParamBuffers& t, std:
   float* const ax = t.state[AsgdState::ax];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
-    V g = V::load(t.grad + i);
     V p = V::load(t.param + i);
-    if (c.maximize) g = -g;
-    if (c.use_weight_decay) g = fmadd(p, V::set1(c.weight_decay), g);
+    const V g = load_grad(c.grad, t, i, p);
     p = p * V::set1(c.decay);
     p = fmadd(g, V::set1(c.neg_eta), p);
     p.store(t.param + i);

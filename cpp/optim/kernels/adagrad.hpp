@@ -1,4 +1,4 @@
-// Adagrad's element-wise update, written once over the SIMD vector types of roundpipe/simd.
+// Adagrad's element-wise update, written once over the SIMD vector types of cpp/optim/simd.
 //
 // AdagradCoeffs holds one tensor's float32 coefficients, computed by adagrad_step
 // (cpp/optim/adagrad.cpp) in double as torch.optim.Adagrad computes them; the kernel applies,
@@ -11,16 +11,16 @@
 #pragma once
 #include <cstddef>
 
+#include "gradient.hpp"
 #include "roundpipe/adagrad.hpp"
 
 namespace roundpipe {
 namespace detail {
 
 struct AdagradCoeffs {
-  float weight_decay;  // L2 coefficient added to the gradient (0: none)
+  GradCoeffs grad;     // maximize, L2 weight decay (gradient.hpp)
   float eps;
   float neg_clr;       // -lr / (1 + (step - 1) * lr_decay)
-  bool maximize;
 };
 
 }  // namespace detail
@@ -37,10 +37,8 @@ inline void adagrad_kernel(const detail::AdagradCoeffs& c, const ParamBuffers& t
   float* const sum = t.state[AdagradState::sum];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
-    V g = V::load(t.grad + i);
     V p = V::load(t.param + i);
-    if (c.maximize) g = -g;
-    if (c.weight_decay != 0.0f) g = fmadd(p, V::set1(c.weight_decay), g);
+    const V g = load_grad(c.grad, t, i, p);
     const V s = fmadd(g, g, V::load(sum + i));
     s.store(sum + i);
     const V std = sqrt(s) + V::set1(c.eps);

@@ -33,15 +33,16 @@ inline V& lane_acc(Vec& vec_acc, Scalar& scalar_acc) {
   else return scalar_acc;
 }
 
-template <class Load>
-inline void stage_with(Load load, std::size_t n, float inv_scale, bool norm, float* out,
-                       detail::GradStats& stats) {
+template <bool Clip, class Load>
+inline void stage_with(Load load, std::size_t n, float inv_scale, float clip, bool norm,
+                       float* out, detail::GradStats& stats) {
   Vec vec_inf = Vec::set1(0.0f), vec_sq = Vec::set1(0.0f);
   Scalar scalar_inf{0.0f}, scalar_sq{0.0f};
   for_range(0, n, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
     const V g = load(tag, i) * V::set1(inv_scale);
-    g.store(out + i);
+    if constexpr (Clip) (g * V::set1(clip)).store(out + i);
+    else g.store(out + i);
     V& inf = lane_acc<V>(vec_inf, scalar_inf);
     inf = inf + g * V::set1(0.0f);
     if (norm) {
@@ -62,21 +63,24 @@ inline void stage_with(Load load, std::size_t n, float inv_scale, bool norm, flo
   stats.sum_sq += sq;
 }
 
-// out[0, n) = float32 gradient of t's elements [begin, begin + n), times inv_scale.
+// out[0, n) = float32 gradient of t's elements [begin, begin + n), times inv_scale, then times
+// clip (a second rounding, skipped when clip is 1); the statistics are of the unscaled,
+// unclipped gradient.
 inline void stage_grad(const ParamBuffers& t, std::size_t begin, std::size_t n, float inv_scale,
-                       bool norm, float* out, detail::GradStats& stats) {
+                       float clip, bool norm, float* out, detail::GradStats& stats) {
+  auto stage = [&](auto load) {
+    if (clip != 1.0f) stage_with<true>(load, n, inv_scale, clip, norm, out, stats);
+    else stage_with<false>(load, n, inv_scale, clip, norm, out, stats);
+  };
   if (!t.grad16) {
     const float* g = t.grad + begin;
-    stage_with([&](auto tag, std::size_t i) { return decltype(tag)::load(g + i); }, n, inv_scale,
-               norm, out, stats);
+    stage([&](auto tag, std::size_t i) { return decltype(tag)::load(g + i); });
   } else if (t.grad16_dtype == Dtype::bfloat16) {
     const std::uint16_t* g = t.grad16 + begin;
-    stage_with([&](auto tag, std::size_t i) { return decltype(tag)::load_bf16(g + i); }, n,
-               inv_scale, norm, out, stats);
+    stage([&](auto tag, std::size_t i) { return decltype(tag)::load_bf16(g + i); });
   } else {
     const std::uint16_t* g = t.grad16 + begin;
-    stage_with([&](auto tag, std::size_t i) { return decltype(tag)::load_f16(g + i); }, n,
-               inv_scale, norm, out, stats);
+    stage([&](auto tag, std::size_t i) { return decltype(tag)::load_f16(g + i); });
   }
 }
 

@@ -6,19 +6,19 @@
 // fma(value * t1, t2, self); fmadd rounds twice on ISAs without FMA, as ATen's fallback does.
 #pragma once
 
+#include "gradient.hpp"
 #include "roundpipe/buffers.hpp"
 
 namespace roundpipe {
 namespace detail {
 
 struct MomentCoeffs {
-  float weight_decay;      // L2 coefficient added to the gradient (0: none)
+  GradCoeffs grad;         // maximize, L2 weight decay (gradient.hpp; 0 when decoupled)
   float decay;             // decoupled: p *= decay (1: none)
   float lerp_weight;       // torch's lerp_ coefficient: w if |w| < 0.5, else w - 1
   bool lerp_from_end;      // |w| >= 0.5: lerp is end + (w - 1) * (end - start)
   float beta2;
   float one_minus_beta2;
-  bool maximize;
 };
 
 }  // namespace detail
@@ -40,10 +40,8 @@ struct Moments {
 template <class V>
 inline Moments<V> update_moments(const detail::MomentCoeffs& c, const ParamBuffers& t,
                                  float* exp_avg, float* exp_avg_sq, std::size_t i) {
-  V g = V::load(t.grad + i);
   V p = V::load(t.param + i);
-  if (c.maximize) g = -g;
-  if (c.weight_decay != 0.0f) g = fmadd(p, V::set1(c.weight_decay), g);
+  const V g = load_grad(c.grad, t, i, p);
   if (c.decay != 1.0f) p = p * V::set1(c.decay);
   V m = V::load(exp_avg + i);
   m = torch_lerp(m, g, c.lerp_weight, c.lerp_from_end);

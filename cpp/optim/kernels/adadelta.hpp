@@ -1,4 +1,4 @@
-// Adadelta's element-wise update, written once over the SIMD vector types of roundpipe/simd.
+// Adadelta's element-wise update, written once over the SIMD vector types of cpp/optim/simd.
 //
 // AdadeltaCoeffs holds the float32 coefficients adadelta_step (cpp/optim/adadelta.cpp) derives
 // from the options as torch.optim.Adadelta does; the kernel applies, per element, the same
@@ -13,19 +13,18 @@
 #pragma once
 #include <cstddef>
 
+#include "gradient.hpp"
 #include "roundpipe/adadelta.hpp"
 
 namespace roundpipe {
 namespace detail {
 
 struct AdadeltaCoeffs {
-  bool use_weight_decay;   // torch's `weight_decay != 0`, decided on the double
-  float weight_decay;
+  GradCoeffs grad;         // maximize, L2 weight decay (gradient.hpp)
   float rho;
   float one_minus_rho;
   float eps;
   float neg_lr;
-  bool maximize;
 };
 
 }  // namespace detail
@@ -43,10 +42,8 @@ inline void adadelta_kernel(const detail::AdadeltaCoeffs& c, const ParamBuffers&
   float* const acc_delta = t.state[AdadeltaState::acc_delta];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
-    V g = V::load(t.grad + i);
     V p = V::load(t.param + i);
-    if (c.maximize) g = -g;
-    if (c.use_weight_decay) g = fmadd(p, V::set1(c.weight_decay), g);
+    const V g = load_grad(c.grad, t, i, p);
     const V rho = V::set1(c.rho), one_minus_rho = V::set1(c.one_minus_rho), eps = V::set1(c.eps);
     V sq = V::load(square_avg + i) * rho;
     sq = fmadd(one_minus_rho * g, g, sq);

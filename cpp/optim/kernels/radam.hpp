@@ -1,4 +1,4 @@
-// RAdam's element-wise update, written once over the SIMD vector types of roundpipe/simd.
+// RAdam's element-wise update, written once over the SIMD vector types of cpp/optim/simd.
 //
 // RAdamCoeffs holds one tensor's float32 coefficients, computed by radam_step
 // (cpp/optim/radam.cpp) in double exactly as torch.optim.RAdam computes them; the kernel applies,
@@ -14,7 +14,7 @@
 #include <cstddef>
 
 #include "roundpipe/radam.hpp"
-#include "roundpipe/kernels/moments.hpp"
+#include "moments.hpp"
 
 namespace roundpipe {
 namespace detail {

@@ -1,4 +1,4 @@
-// Adam's element-wise update, written once over the SIMD vector types of roundpipe/simd.
+// Adam's element-wise update, written once over the SIMD vector types of cpp/optim/simd.
 //
 // AdamCoeffs holds one tensor's float32 coefficients, computed by adam_step (cpp/optim/adam.cpp)
 // in double exactly as torch.optim.Adam computes them; the kernel applies, per element, the same
@@ -10,7 +10,7 @@
 #include <cstddef>
 
 #include "roundpipe/adam.hpp"
-#include "roundpipe/kernels/moments.hpp"
+#include "moments.hpp"
 
 namespace roundpipe {
 namespace detail {

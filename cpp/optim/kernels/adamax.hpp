@@ -1,4 +1,4 @@
-// Adamax's element-wise update, written once over the SIMD vector types of roundpipe/simd.
+// Adamax's element-wise update, written once over the SIMD vector types of cpp/optim/simd.
 //
 // AdamaxCoeffs holds one tensor's float32 coefficients, computed by adamax_step
 // (cpp/optim/adamax.cpp) in double as torch.optim.Adamax computes them; the kernel applies, per
@@ -10,20 +10,19 @@
 #pragma once
 #include <cstddef>
 
+#include "gradient.hpp"
 #include "roundpipe/adamax.hpp"
 
 namespace roundpipe {
 namespace detail {
 
 struct AdamaxCoeffs {
-  bool use_weight_decay;   // torch's `weight_decay != 0`, decided on the double
-  float weight_decay;
+  GradCoeffs grad;         // maximize, L2 weight decay (gradient.hpp)
   float lerp_weight;       // torch's lerp_ coefficient: w if |w| < 0.5, else w - 1
   bool lerp_from_end;      // |w| >= 0.5: lerp is end + (w - 1) * (end - start)
   float beta2;
   float eps;
   float neg_clr;           // -lr / (1 - beta1^step)
-  bool maximize;
 };
 
 }  // namespace detail
@@ -41,10 +40,8 @@ inline void adamax_kernel(const detail::AdamaxCoeffs& c, const ParamBuffers& t,
   float* const exp_inf = t.state[AdamaxState::exp_inf];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
-    V g = V::load(t.grad + i);
     V p = V::load(t.param + i);
-    if (c.maximize) g = -g;
-    if (c.use_weight_decay) g = fmadd(p, V::set1(c.weight_decay), g);
+    const V g = load_grad(c.grad, t, i, p);
     V m = V::load(exp_avg + i);
     m = torch_lerp(m, g, c.lerp_weight, c.lerp_from_end);
     V u = V::load(exp_inf + i) * V::set1(c.beta2);

@@ -1,4 +1,4 @@
-// NAdam's element-wise update, written once over the SIMD vector types of roundpipe/simd.
+// NAdam's element-wise update, written once over the SIMD vector types of cpp/optim/simd.
 //
 // NAdamCoeffs holds one tensor's float32 coefficients, computed by nadam_step
 // (cpp/optim/nadam.cpp) in double exactly as torch.optim.NAdam computes them; the kernel applies,
@@ -11,7 +11,7 @@
 #include <cstddef>
 
 #include "roundpipe/nadam.hpp"
-#include "roundpipe/kernels/moments.hpp"
+#include "moments.hpp"
 
 namespace roundpipe {
 namespace detail {

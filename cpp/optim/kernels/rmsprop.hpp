@@ -1,4 +1,4 @@
-// RMSprop's element-wise update, written once over the SIMD vector types of roundpipe/simd.
+// RMSprop's element-wise update, written once over the SIMD vector types of cpp/optim/simd.
 //
 // RMSpropCoeffs holds one tensor's float32 coefficients, computed by rmsprop_step
 // (cpp/optim/rmsprop.cpp) as torch.optim.RMSprop computes them; the kernel applies, per element,
@@ -16,13 +16,14 @@
 #pragma once
 #include <cstddef>
 
+#include "gradient.hpp"
 #include "roundpipe/rmsprop.hpp"
 
 namespace roundpipe {
 namespace detail {
 
 struct RMSpropCoeffs {
-  float weight_decay;      // L2 coefficient added to the gradient (0: none)
+  GradCoeffs grad;         // maximize, L2 weight decay (gradient.hpp)
   float alpha;
   float one_minus_alpha;
   float lerp_weight;       // torch's lerp_ coefficient for 1 - alpha (detail::lerp_coeff)
@@ -32,7 +33,6 @@ struct RMSpropCoeffs {
   bool use_momentum;       // momentum > 0 (decided in double, as torch)
   float neg_lr;            // -lr
   bool centered;
-  bool maximize;
 };
 
 }  // namespace detail
@@ -51,10 +51,8 @@ inline void rmsprop_kernel(const detail::RMSpropCoeffs& c, const ParamBuffers& t
   float* const grad_avg = t.state[RMSpropState::grad_avg];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
-    V g = V::load(t.grad + i);
     V p = V::load(t.param + i);
-    if (c.maximize) g = -g;
-    if (c.weight_decay != 0.0f) g = fmadd(p, V::set1(c.weight_decay), g);
+    const V g = load_grad(c.grad, t, i, p);
     V sa = V::load(square_avg + i) * V::set1(c.alpha);
     sa = fmadd(V::set1(c.one_minus_alpha) * g, g, sa);
     sa.store(square_avg + i);

@@ -3,7 +3,7 @@
 // several kernels share.
 #pragma once
 #ifndef ROUNDPIPE_ISA_NS
-#error "define ROUNDPIPE_ISA_NS before including a roundpipe kernel"
+#error "define ROUNDPIPE_ISA_NS before including a kernel body"
 #endif
 #include <cstddef>
 

@@ -1,4 +1,4 @@
-// Rprop's element-wise update, written once over the SIMD vector types of roundpipe/simd.
+// Rprop's element-wise update, written once over the SIMD vector types of cpp/optim/simd.
 //
 // RpropCoeffs holds the float32 hyperparameters (torch rounds each where it enters a float32
 // tensor op); the kernel applies, per element, torch's single-tensor Rprop sequence literally:
@@ -14,17 +14,18 @@
 #pragma once
 #include <cstddef>
 
+#include "gradient.hpp"
 #include "roundpipe/rprop.hpp"
 
 namespace roundpipe {
 namespace detail {
 
 struct RpropCoeffs {
+  GradCoeffs grad;         // maximize (no weight decay: gradient.hpp)
   float etaminus;
   float etaplus;
   float step_size_min;
   float step_size_max;
-  bool maximize;
 };
 
 }  // namespace detail
@@ -51,8 +52,8 @@ inline void rprop_kernel(const detail::RpropCoeffs& c, const ParamBuffers& t, st
     using V = decltype(tag);
     const V zero = V::set1(0.0f);
     const V etaminus = V::set1(c.etaminus);
-    V g = V::load(t.grad + i);
-    if (c.maximize) g = -g;
+    const V p = V::load(t.param + i);
+    V g = load_grad(c.grad, t, i, p);
     V s = rprop_sign(g * V::load(prev + i));
     s = select(s > zero, V::set1(c.etaplus), s);
     s = select(s < zero, etaminus, s);
@@ -61,8 +62,7 @@ inline void rprop_kernel(const detail::RpropCoeffs& c, const ParamBuffers& t, st
     ss = minimum(maximum(ss, V::set1(c.step_size_min)), V::set1(c.step_size_max));
     ss.store(step_size + i);
     g = select(s == etaminus, zero, g);
-    const V p = V::load(t.param + i) + -rprop_sign(g) * ss;
-    p.store(t.param + i);
+    (p + -rprop_sign(g) * ss).store(t.param + i);
     g.store(prev + i);
   });
 }

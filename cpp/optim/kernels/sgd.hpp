@@ -1,4 +1,4 @@
-// SGD's element-wise update, written once over the SIMD vector types of roundpipe/simd.
+// SGD's element-wise update, written once over the SIMD vector types of cpp/optim/simd.
 //
 // SGDCoeffs holds one tensor's float32 coefficients, computed by sgd_step (cpp/optim/sgd.cpp) as
 // torch.optim.SGD computes them; the kernel applies, per element, the same sequence of float32
@@ -10,20 +10,20 @@
 #pragma once
 #include <cstddef>
 
+#include "gradient.hpp"
 #include "roundpipe/sgd.hpp"
 
 namespace roundpipe {
 namespace detail {
 
 struct SGDCoeffs {
-  float weight_decay;         // L2 coefficient added to the gradient (0: none)
+  GradCoeffs grad;            // maximize, L2 weight decay (gradient.hpp)
   float momentum;
   float one_minus_dampening;
   float neg_lr;               // -lr
   bool use_momentum;          // momentum != 0 (decided in double, as torch)
   bool fresh;                 // the momentum buffer holds no value yet: it becomes g
   bool nesterov;
-  bool maximize;
 };
 
 }  // namespace detail
@@ -40,10 +40,8 @@ inline void sgd_kernel(const detail::SGDCoeffs& c, const ParamBuffers& t, std::s
   float* const buf = t.state[SGDState::momentum_buffer];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
-    V g = V::load(t.grad + i);
     V p = V::load(t.param + i);
-    if (c.maximize) g = -g;
-    if (c.weight_decay != 0.0f) g = fmadd(p, V::set1(c.weight_decay), g);
+    V g = load_grad(c.grad, t, i, p);
     if (c.use_momentum) {
       V b = c.fresh ? g
                     : fmadd(g, V::set1(c.one_minus_dampening),

@@ -3,11 +3,11 @@
 // Include only from a translation unit that defines ROUNDPIPE_ISA_NS (scalar, avx2, avx512,
 // neon): everything here lands in namespace roundpipe::ROUNDPIPE_ISA_NS, so the copy compiled
 // with one ISA's flags is a different symbol from the copy compiled with another's (the ODR trap
-// of DESIGN.md §3). `fmadd` fuses exactly when the ISA has FMA, so an element gives the same bits
+// of docs/design.md §3). `fmadd` fuses exactly when the ISA has FMA, so an element gives the same bits
 // whether it falls in a vector body or in the tail.
 #pragma once
 #ifndef ROUNDPIPE_ISA_NS
-#error "define ROUNDPIPE_ISA_NS before including a roundpipe/simd header"
+#error "define ROUNDPIPE_ISA_NS before including a simd/ header"
 #endif
 
 #include <cstddef>

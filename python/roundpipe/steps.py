@@ -1,0 +1,485 @@
+"""The optimizer side's work, run on the optimizer thread (:mod:`roundpipe.optimizer_thread`)
+or, for a synchronous step, on the caller's thread once that queue is empty:
+
+- *consume* (one job per backward stage visit, queued by the pass in descending stage order):
+  waits for the download and adds it into the accumulated gradients (the first one since a
+  step is taken without a copy where possible), with the squared norm the device computed;
+  in exact overlapped mode it also steps the parameters whose gradients are now final
+  straight from the download (fused step: gradient in, model copy out) and releases their
+  layers;
+- *step* (``RoundPipe.step``; exact mode with a loss scaler or clipping, after the backward):
+  the verdict first — the global gradient norm from the per-parameter squared norms gathered
+  during the pass, overflow (a non-finite norm), the loss scaler's update, the clipping
+  coefficient — then, unless the step is skipped, the update: layer by layer through the
+  fused kernel (unscale and clip folded into its gradient scale) or, for optimizers that are
+  not stepped layer by layer, by unscaling and clipping the gradients in place as torch does
+  and calling the optimizer. An asynchronous step first writes into each layer's model copy
+  the weights of the step before (every call of the next iteration computes with those: one
+  step of staleness) and releases the layer, then updates the optimizer copies only.
+
+Loss scaling is fixed per step (:meth:`Steps.begin_call`): the calls between two steps use
+the scale in force when the first of them started, and the step unscales by that scale.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+from torch.utils._pytree import tree_map
+
+from .clipping import Clip, total_norm
+from .context import OptimizerCtx
+from .grad_scaler import GradScaler
+from .optim import CpuOptimizer
+from .optimizer_thread import OptimizerThread
+from .param_copies import ParamCopies
+from .stats import Stats
+from .transfer import DeviceIO, GradDownload
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the last completed step saw (``RoundPipe.last_step_stats()``).
+
+    Attributes:
+        grad_norm: global L2 norm of the unscaled gradients before clipping (NaN when nothing
+            measured it: an optimizer stepped whole without a scaler or clipping).
+        skipped: the step was skipped (a gradient was inf or NaN under a loss scaler).
+        scale: the loss scale its gradients were unscaled by (1.0 without a scaler).
+    """
+
+    grad_norm: float = math.nan
+    skipped: bool = False
+    scale: float = 1.0
+
+
+def snapshot(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A shallow twin of ``opt`` sharing its state and parameters but holding a copy of each
+    param group's hyperparameters as they are now (tensors cloned, e.g. a tensor ``lr`` that
+    an LR scheduler changes in place): the optimizer thread steps through it, so a scheduler
+    changing ``opt.param_groups`` meanwhile affects only the next step."""
+    twin = object.__new__(type(opt))
+    twin.__dict__.update(opt.__dict__)
+    twin.param_groups = [
+        {k: (v if k == "params" else tree_map(
+            lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, v))
+         for k, v in g.items()}
+        for g in opt.param_groups]
+    twin.__dict__.pop("_group_index_cache", None)
+    return twin
+
+
+def _owned(opt: torch.optim.Optimizer) -> set[int]:
+    return {id(p) for g in opt.param_groups for p in g["params"]}
+
+
+class ExactStep:
+    """Exact overlapped mode for one call, stepping each stage as it finishes: the optimizer, a
+    snapshot of its hyperparameters taken when the call started, the parameters it holds, and
+    the norms of the stages stepped so far (for the call's report)."""
+
+    def __init__(self, opt: CpuOptimizer, last_stage: int) -> None:
+        self.opt = opt
+        self.snapshot = snapshot(opt)
+        self.owned = _owned(opt)
+        self.last_stage = last_stage
+        self.norms_sq: list[float] = []
+
+
+@dataclass
+class _Plan:
+    """One step: what to run and how (see :meth:`Steps.step`)."""
+
+    fn: Callable[[], Any]                     # the whole step (not layer by layer)
+    twin: Optional[CpuOptimizer]              # stepped layer by layer through fused_step
+    write_back: bool                          # model copies take the new values
+    behind: list[int]                         # model copies to write back first (async)
+    scaler: Optional[GradScaler]
+    scale: float
+    clip: Optional[Clip]
+    verdict: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Decision:
+    skip: bool = False
+    coef: float = 1.0
+    norm: float = math.nan
+
+
+class Steps:
+    """The optimizer side of one RoundPipe (see the module docstring).
+
+    Args:
+        copies: the parameter copies it steps and writes back.
+        num_layers: number of pipeline layers.
+        stats: where optimizer seconds and counts go.
+    """
+
+    def __init__(self, copies: ParamCopies, num_layers: int, stats: Stats) -> None:
+        self.copies, self.stats = copies, stats
+        self.thread = OptimizerThread(num_layers, on_error=self.discard)
+        self.gates = self.thread.gates
+        self._hooked: "weakref.WeakSet" = weakref.WeakSet()
+        self.report = StepReport()
+        self._called = False                        # forward_backward since the last step
+        self._scaler: Optional[GradScaler] = None   # of the calls since the last step
+        self._scale: Optional[float] = None         # their loss scale
+        self._next_scale: Optional[float] = None    # set by an asynchronous step
+        self._verdict: Optional[threading.Event] = None  # of the last background step
+
+    # --- the queue ---------------------------------------------------------------------------------
+
+    def is_current(self) -> bool:
+        return self.thread.is_current()
+
+    def pending(self) -> list:
+        return self.thread.pending()
+
+    def idle(self) -> bool:
+        return self.thread.idle()
+
+    def wait(self, futures: Optional[list] = None) -> None:
+        self.thread.wait(futures)
+
+    def raise_error(self) -> None:
+        self.thread.raise_error()
+
+    def synchronize(self) -> None:
+        """Waits for the queued work, writes back the model copies an asynchronous step left
+        behind, then raises the background error if there was one (a no-op on the optimizer
+        thread itself)."""
+        if self.is_current():
+            return
+        self.thread.wait()
+        self.copies.write_back_stale()
+        self.thread.raise_error()
+
+    def close(self) -> None:
+        self.thread.close()
+
+    def discard(self) -> None:
+        """The gradients accumulated since the last step are dropped (a failed call, a
+        background error, zero_grad): the next call starts the step afresh."""
+        self.copies.clear_grads()
+        self._scaler, self._scale, self._called = None, None, False
+
+    # --- loss scale of a call --------------------------------------------------------------------------
+
+    def begin_call(self, scaler: Optional[GradScaler], exact: bool) -> float:
+        """The loss scale of a ``forward_backward`` call: the step's scale, fixed by its first
+        call (after an asynchronous step, the scale in force when that step was submitted;
+        in exact mode, after waiting for the previous call's verdict).
+
+        Raises:
+            TypeError: ``scaler`` is not a GradScaler.
+            ValueError: the calls of one step use different scalers (or some none).
+        """
+        if scaler is not None and not isinstance(scaler, GradScaler):
+            raise TypeError("RoundPipe: grad_scaler must be a roundpipe.GradScaler (torch's "
+                            "cannot follow an asynchronous step), got "
+                            f"{type(scaler).__name__}")
+        if self._called:
+            if scaler is not self._scaler:
+                raise ValueError("RoundPipe: every forward_backward call of one step must use "
+                                 "the same grad_scaler (the gradients accumulated since the "
+                                 "last step were scaled differently)")
+        self._called = True
+        if scaler is None or not scaler.is_enabled():
+            self._scaler, self._scale = scaler, None
+            return 1.0
+        if self._scale is None:
+            if exact and self._verdict is not None:
+                self._verdict.wait()
+            scale, self._next_scale = self._next_scale, None
+            self._scaler, self._scale = scaler, scale if scale is not None else scaler.get_scale()
+        return self._scale
+
+    def _take_scale(self, scaler: Optional[GradScaler], where: str) -> float:
+        """The loss scale of the gradients a step applies; the next step starts afresh."""
+        if scaler is not None and not isinstance(scaler, GradScaler):
+            raise TypeError(f"{where}: grad_scaler must be a roundpipe.GradScaler, got "
+                            f"{type(scaler).__name__}")
+        if scaler is not self._scaler and self._called:
+            raise ValueError(f"{where}: the gradients were {'not ' if self._scaler is None else ''}"
+                             "scaled by this grad_scaler; pass the grad_scaler given to "
+                             "forward_backward")
+        scale = self._scale if self._scale is not None else 1.0
+        self._scaler, self._scale, self._called = None, None, False
+        return scale
+
+    # --- gradients from the pipeline ---------------------------------------------------------------
+
+    def grad_sink(self, exact: Optional[ExactStep]) -> Callable[[int, Optional[GradDownload], DeviceIO], None]:
+        """The function a pass hands each backward visit's download to (on a worker thread,
+        in descending stage order): queues its consumption, and with ``exact`` the step of the
+        parameters final at that stage."""
+        copies = self.copies
+
+        def sink(stage: int, download: Optional[GradDownload], io: DeviceIO) -> None:
+            final = copies.final_params[stage] if exact is not None else []
+            if download is None and not final:
+                return
+            if final:
+                with copies.lock:
+                    copies.stale.difference_update(final)
+            self.thread.submit(functools.partial(self._consume, download, io, exact, final,
+                                                 exact is not None and stage == exact.last_stage),
+                               copies.layers_of(final))
+
+        return sink
+
+    def _consume(self, download: Optional[GradDownload], io: DeviceIO,
+                 exact: Optional[ExactStep], final: list[int], last: bool, release) -> None:
+        copies = self.copies
+        direct: dict[int, torch.Tensor] = {}
+        try:
+            if download is not None:
+                io.host_wait(download.event)
+                norms = download.norms_sq.tolist()
+                final_set = set(final)
+                for (i, g), norm_sq in zip(download.items, norms):
+                    if i in final_set and copies.grads[i] is None:
+                        direct[i] = g  # stepped straight from the download
+                    else:
+                        copies.accumulate(i, g, download.owned, norm_sq)
+            if exact is not None and final:
+                grads = {i: direct[i] if i in direct else copies.grads[i] for i in final}
+                for i in final:
+                    copies.grads[i] = None
+                    copies.norms_sq[i] = None
+                exact.norms_sq.append(self._fused(exact.snapshot, exact.owned, final, grads,
+                                                  write_back=True, want_norm=True))
+                for i in final:
+                    if grads[i] is not None and (i not in direct or download.owned):
+                        copies.pool.give(grads[i])
+            if last:
+                self.report = StepReport(total_norm(exact.norms_sq))
+        finally:
+            direct = None  # noqa: F841
+            if download is not None:
+                download.release()
+
+    # --- steps ---------------------------------------------------------------------------------------
+
+    def layerwise(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether ``opt`` can be stepped layer by layer through ``fused_step`` with the result
+        of ``opt.step()``: a ``roundpipe.optim`` optimizer holding only this wrapper's
+        optimizer copies and without step hooks (``fused_step`` runs none). Otherwise ``step``
+        and exact mode call ``opt.step()`` once all gradients are there."""
+        if not isinstance(opt, CpuOptimizer):
+            return False
+        user_pre_hooks = [h for h in opt._optimizer_step_pre_hooks.values()
+                          if not getattr(h, "roundpipe_wait", False)]
+        if (user_pre_hooks or opt._optimizer_step_post_hooks
+                or _global_optimizer_pre_hooks or _global_optimizer_post_hooks):
+            return False
+        ours = {id(p) for p in self.copies.optim}
+        return all(id(p) in ours for g in opt.param_groups for p in g["params"])
+
+    def begin_exact(self, opt: torch.optim.Optimizer, last_stage: int) -> Optional[ExactStep]:
+        """Exact overlapped mode stepping each stage as it finishes, if ``opt`` can be stepped
+        layer by layer, else None (then it is stepped after the backward)."""
+        self.hook_optimizer(opt)
+        return ExactStep(opt, last_stage) if self.layerwise(opt) else None
+
+    def _plan(self, step_fn: Any, write_back: bool, behind: list[int],
+              scaler: Optional[GradScaler], scale: float, clip: Optional[Clip]) -> _Plan:
+        twin = None
+        if isinstance(step_fn, torch.optim.Optimizer):
+            self.hook_optimizer(step_fn)
+            shot = snapshot(step_fn)
+            if self.layerwise(step_fn):
+                twin = shot
+            fn = lambda: (shot.step(), shot.zero_grad())  # noqa: E731
+        else:
+            fn = step_fn
+        return _Plan(fn, twin, write_back, behind, scaler, scale, clip)
+
+    def step(self, step_fn: Any, is_async: bool, scaler: Optional[GradScaler] = None,
+             clip: Optional[Clip] = None) -> Any:
+        """``RoundPipe.step`` (arguments already checked)."""
+        copies = self.copies
+        if is_async:
+            self.raise_error()
+        else:
+            self.synchronize()
+        scale = self._take_scale(scaler, "RoundPipe.step")
+        if self.idle():
+            copies.refresh_from_model()
+        if not is_async:
+            plan = self._plan(step_fn, True, [], scaler, scale, clip)
+            return self.thread.run_now(functools.partial(self._step_job, plan), ())
+        with copies.lock:
+            behind, copies.stale = sorted(copies.stale), set(range(len(copies)))
+        plan = self._plan(step_fn, False, behind, scaler, scale, clip)
+        if scaler is not None and scaler.is_enabled():
+            self._next_scale = scaler.get_scale()  # this step's verdict counts one step later
+        self._verdict = plan.verdict
+        self.thread.submit(functools.partial(self._step_job, plan), copies.layers_of(behind))
+        return None
+
+    def step_after_backward(self, opt: torch.optim.Optimizer, scaler: Optional[GradScaler],
+                            clip: Optional[Clip]) -> None:
+        """Exact mode with a loss scaler or clipping: the verdict needs every gradient, so the
+        step is queued after the backward (in the background; each layer is released to the
+        next call as soon as it is written). Counted in ``exact_deferred_calls``."""
+        copies = self.copies
+        scale = self._take_scale(scaler, "RoundPipe.forward_backward")
+        with copies.lock:
+            copies.stale.clear()  # every model copy is written by this step
+        plan = self._plan(opt, True, [], scaler, scale, clip)
+        self._verdict = plan.verdict
+        self.stats.add("exact_deferred_calls", 1)
+        self.thread.submit(functools.partial(self._step_job, plan), range(len(copies.layers)))
+
+    def _step_job(self, plan: _Plan, release) -> Any:
+        copies = self.copies
+        grads, norms = copies.take_grads()
+        try:
+            if plan.behind:
+                behind = set(plan.behind)
+                for li in range(len(copies.layers)):
+                    for i in copies.layer_params[li]:
+                        if i in behind:
+                            copies.write_back(i)
+                    release(li)
+            try:
+                decision = self._decide(grads, norms, plan)
+            finally:
+                plan.verdict.set()
+            if decision.skip:
+                self.report = StepReport(decision.norm, True, plan.scale)
+                return None
+            if plan.twin is not None:
+                decision.norm = self._step_layers(plan, grads, decision, release)
+                result = None
+            else:
+                result = self._step_whole(plan, grads, decision)
+                grads = [None] * len(grads)  # the step function may keep them: not reused
+            if plan.write_back and plan.twin is None:
+                for li in range(len(copies.layers)):
+                    for i in copies.layer_params[li]:
+                        copies.write_back(i)
+                    release(li)
+            self.report = StepReport(decision.norm, False, plan.scale)
+            return result
+        finally:
+            for g in grads:
+                if g is not None:
+                    copies.pool.give(g)
+
+    def _decide(self, grads: list, norms: list, plan: _Plan) -> _Decision:
+        """Overflow, the scaler's update and the clipping coefficient, from the squared norms
+        gathered during the pass (a norm the pass could not give — a gradient summed over
+        several calls — is computed here, one read of that gradient)."""
+        scaling = plan.scaler is not None and plan.scaler.is_enabled()
+        if plan.clip is None and not scaling:
+            return _Decision()
+        for i, g in enumerate(grads):
+            if g is not None and norms[i] is None:
+                norms[i] = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+        norm = total_norm([n for n in norms if n is not None]) / plan.scale
+        coef = plan.clip.coefficient(norm) if plan.clip is not None else 1.0
+        skip = plan.scaler._update(not math.isfinite(norm), plan.scale) if scaling else False
+        return _Decision(skip, coef, norm)
+
+    def _step_layers(self, plan: _Plan, grads: list, decision: _Decision, release) -> float:
+        """The update layer by layer through ``fused_step``; returns the gradient norm (the
+        kernel's when the verdict did not need one)."""
+        copies = self.copies
+        owned = _owned(plan.twin)
+        want = math.isnan(decision.norm)
+        parts: list[float] = []
+        done: set[int] = set()
+        for li in range(len(copies.layers)):
+            todo = [i for i in copies.layer_params[li] if i not in done]
+            done.update(todo)
+            parts.append(self._fused(plan.twin, owned, todo, {i: grads[i] for i in todo},
+                                     plan.write_back, plan.scale, decision.coef, want))
+            for i in todo:
+                if grads[i] is not None:
+                    copies.pool.give(grads[i])
+                    grads[i] = None
+            if plan.write_back:
+                release(li)
+        return total_norm(parts) if want else decision.norm
+
+    def _step_whole(self, plan: _Plan, grads: list, decision: _Decision) -> Any:
+        """An optimizer stepped whole, or a step function: the gradients unscaled and clipped
+        in place as torch's GradScaler.unscale_ and clip_grad_norm_ do, set as the optimizer
+        copies' ``.grad``, then ``fn()`` inside OptimizerCtx."""
+        copies = self.copies
+        with torch.no_grad():
+            if plan.scale != 1.0:
+                inv = torch.tensor(1.0 / plan.scale, dtype=torch.float32)
+                for g in grads:
+                    if g is not None:
+                        g.mul_(inv)
+            if decision.coef != 1.0:
+                coef = torch.tensor(decision.coef, dtype=torch.float32)
+                for g in grads:
+                    if g is not None:
+                        g.mul_(coef)
+        for o, g in zip(copies.optim, grads):
+            o.grad = g
+        try:
+            with OptimizerCtx():
+                return plan.fn()
+        finally:
+            for o in copies.optim:
+                o.grad = None
+
+    def _fused(self, twin, owned: set, indices: list[int], grads: dict, write_back: bool,
+               scale: float = 1.0, clip: float = 1.0, want_norm: bool = False) -> float:
+        """``fused_step`` over the parameters ``indices`` that the optimizer holds and that
+        have a gradient (with ``write_back``, into their model copies too; the others' model
+        copies are then rewritten from their optimizer copies). Returns the squared norm of
+        the unscaled gradients stepped (0.0 unless ``want_norm``)."""
+        copies = self.copies
+        step = [i for i in indices if grads.get(i) is not None and id(copies.optim[i]) in owned]
+        norm_sq = 0.0
+        if step:
+            start = time.perf_counter()
+            result = twin.fused_step([copies.optim[i] for i in step], [grads[i] for i in step],
+                                     [copies.model[i] for i in step] if write_back else None,
+                                     grad_scale=scale, clip_factor=clip, grad_norm=want_norm)
+            self.stats.add("optimizer_s", time.perf_counter() - start)
+            norm_sq = result.grad_norm_sq or 0.0
+        if write_back:
+            stepped = set(step)
+            for i in indices:
+                if i in stepped:
+                    copies.mark_synced(i)
+                else:
+                    copies.write_back(i)
+        return norm_sq
+
+    def hook_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """The optimizer's ``step``, ``state_dict`` and ``load_state_dict``, called from another
+        thread than the optimizer thread, first wait for pending updates. Also marks it as
+        stepped for LR schedulers (what their wrapper of ``opt.step`` records), since the
+        wrapper steps it through a snapshot or ``fused_step``."""
+        opt._opt_called = True  # read by torch.optim.lr_scheduler's order check
+        if opt in self._hooked:
+            return
+        self._hooked.add(opt)
+        me = weakref.ref(self)
+
+        def wait(*_):
+            steps = me()
+            if steps is not None:
+                steps.wait()
+
+        wait.roundpipe_wait = True  # not a user hook (see layerwise)
+        opt.register_step_pre_hook(wait)
+        opt.register_state_dict_pre_hook(wait)
+        opt.register_load_state_dict_pre_hook(wait)

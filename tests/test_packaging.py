@@ -1,0 +1,34 @@
+"""What the package declares matches what is tested: the Python versions in pyproject.toml are the
+ones CI runs the suite on."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The Python versions CI runs this suite on (.ci/run). Add one only together with its CI run.
+TESTED = ["3.11"]
+
+
+def _project() -> dict:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def test_declared_python_versions_are_the_tested_ones():
+    project = _project()
+    assert project["requires-python"] == f">={TESTED[0]}"
+    declared = {c.rsplit(" :: ", 1)[1] for c in project["classifiers"]
+                if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)}
+    assert declared == set(TESTED)
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" in TESTED
+
+
+def test_the_cmake_build_asks_for_the_same_python():
+    with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+        cmake = f.read()
+    assert re.search(rf"find_package\(Python {re.escape(TESTED[0])} REQUIRED", cmake)

@@ -1,0 +1,152 @@
+"""roundpipe.optim's worker threads as a Python program sees them: threads made for a larger
+``num_threads`` exit again, a fork during a step (os.fork, multiprocessing's "fork") leaves the
+child able to step, and an interpreter exit while a daemon thread is inside a step ends the process
+normally. Linux only (thread counts from /proc/self/task); every wait is bounded."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import roundpipe.optim as rpo
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+# Enough 16384-element chunks for 40 threads.
+ELEMENTS = 40 * 16384
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _eventually(pred, limit: float = 60.0) -> bool:
+    deadline = time.monotonic() + limit
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _adam(n: int, num_threads=None):
+    p = torch.nn.Parameter(torch.ones(n))
+    p.grad = torch.full((n,), 0.5)
+    opt = rpo.Adam([p], lr=0.1)
+    opt.num_threads = num_threads
+    return p, opt
+
+
+def test_threads_made_for_a_larger_count_exit_again():
+    p, opt = _adam(ELEMENTS)
+    opt.step()  # the process's own workers
+    before = _threads()
+    opt.num_threads = 40
+    opt.step()
+    assert _threads() > before
+    assert _eventually(lambda: _threads() <= before), f"{_threads()} threads, {before} before"
+
+
+class _Stepper:
+    """A thread that steps an optimizer without pause until stopped."""
+
+    def __init__(self):
+        self.steps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        _, opt = _adam(ELEMENTS, num_threads=4)
+        while not self._stop.is_set():
+            opt.step()
+            self.steps += 1
+
+    def __enter__(self):
+        self._thread.start()
+        assert _eventually(lambda: self.steps > 0)
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive()
+
+
+def _child_step() -> bool:
+    # torch's own OpenMP threads do not survive a fork (GNU libgomp): a forked child limits torch
+    # to one thread, as torch advises. Our pool is separate and must work there on several.
+    torch.set_num_threads(1)
+    p, opt = _adam(8 * 16384, num_threads=3)
+    opt.step()
+    opt.num_threads = None
+    opt.step()
+    return bool((p < 1).all())
+
+
+def test_os_fork_during_a_step_leaves_the_child_usable():
+    with _Stepper():
+        for _ in range(8):
+            pid = os.fork()
+            if pid == 0:  # the child: step, then leave without running the parent's cleanup
+                os._exit(0 if _child_step() else 1)
+            status = []
+            if not _eventually(lambda: status.append(os.waitpid(pid, os.WNOHANG)) or
+                               status[-1][0] == pid):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung")
+            assert os.waitstatus_to_exitcode(status[-1][1]) == 0
+
+
+def _mp_child(queue):
+    queue.put(_child_step())
+
+
+def test_multiprocessing_fork_during_a_step_leaves_the_child_usable():
+    ctx = multiprocessing.get_context("fork")
+    with _Stepper():
+        for _ in range(4):
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_mp_child, args=(queue,))
+            proc.start()
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+                pytest.fail("the forked child hung")
+            assert proc.exitcode == 0 and queue.get(timeout=10) is True
+
+
+_EXIT_SCRIPT = textwrap.dedent("""
+    import threading, time, torch, roundpipe.optim as rpo
+    p = torch.nn.Parameter(torch.ones(4 * 1024 * 1024))
+    p.grad = torch.full_like(p, 0.5)
+    opt = rpo.Adam([p], lr=0.1)
+    stepped = threading.Event()
+    def run():
+        while True:
+            opt.step()
+            stepped.set()
+    threading.Thread(target=run, daemon=True).start()
+    stepped.wait(60)
+    print("exiting", flush=True)
+""")
+
+
+def test_exit_while_a_daemon_thread_steps_ends_the_process_normally():
+    # The daemon thread is inside the C++ step nearly all the time; when it comes back while the
+    # interpreter finalises, taking the GIL must not abort the process.
+    for _ in range(3):
+        result = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert "exiting" in result.stdout and "terminate" not in result.stderr
