@@ -167,17 +167,19 @@ class Block(nn.Module):
 def test_layers_compiled_before_wrapping_train_as_plain_pytorch():
     """Two blocks compiled with Module.compile() and a torch.nn.Linear compiled through its
     forward (Module.compile() leaves torch.nn's own modules uncompiled in torch 2.13,
-    pytorch/pytorch#150915), default backend (inductor): three SGD steps on two CPU workers
-    with three microbatches match plain uncompiled PyTorch; the compiled code is what runs
-    (graphs captured) and is compiled once, not per step."""
+    pytorch/pytorch#150915): three SGD steps on two CPU workers with three microbatches match
+    plain uncompiled PyTorch; the compiled code is what runs (graphs captured) and is compiled
+    once, not per step. The aot_eager backend (dynamo's capture and AOTAutograd's joint graph,
+    run eagerly) keeps the test fast on two cores; the README's torch.compile block, run by
+    tests/test_readme.py, covers the default backend (inductor)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 4))
     ref = copy.deepcopy(net)
     torch._dynamo.reset()
     counters.clear()
-    net[1].compile()
-    net[2].compile()
-    net[3].forward = torch.compile(net[3].forward)
+    net[1].compile(backend="aot_eager")
+    net[2].compile(backend="aot_eager")
+    net[3].forward = torch.compile(net[3].forward, backend="aot_eager")
     model = RoundPipe(net, device=["cpu", "cpu"], num_microbatch=3)
     opt = torch.optim.SGD(model.optim_parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
