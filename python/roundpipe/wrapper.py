@@ -323,12 +323,18 @@ class RoundPipe(nn.Module):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"RoundPipe: num_microbatch must be an int >= 1, got {n!r}")
         args, kwargs = tuple(args), dict(kwargs or {})
-        dtype = next((p.dtype for layer in self._layers for p in layer.parameters()
-                      if p.is_floating_point()), None)
-        if dtype is not None:
-            args, kwargs = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
-                                    and t.is_floating_point() and t.dtype != dtype else t,
-                                    (args, kwargs))
+        if "_input_dtype" not in self.__dict__:  # parameters keep their dtype (see _apply)
+            self._input_dtype = next((p.dtype for layer in self._layers
+                                      for p in layer.parameters() if p.is_floating_point()), None)
+        dtype = self._input_dtype
+
+        def needs_cast(t) -> bool:
+            return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
+
+        # the usual flat call needs no tree walk: only nested inputs or a cast do
+        if dtype is not None and any(isinstance(v, (tuple, list, dict)) or needs_cast(v)
+                                     for v in (*args, *kwargs.values())):
+            args, kwargs = tree_map(lambda t: t.to(dtype) if needs_cast(t) else t, (args, kwargs))
         return self._split(args, kwargs, label, n)
 
     def _layout(self) -> Layout:
