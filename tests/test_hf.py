@@ -363,3 +363,17 @@ def test_decoder_layers_compiled_before_wrapping_train_as_hf():
     train_both(ref, torch.optim.SGD(ref.parameters(), lr=0.1), w,
                torch.optim.SGD(w.optim_parameters(), lr=0.1), seed=4, steps=2)
     assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
+
+
+def test_torch_compile_of_the_wrapped_model_runs_it_eagerly_and_to_cpu_is_a_no_op():
+    ref = make_model("qwen3")
+    w = roundpipe.wrap_model_to_roundpipe(copy.deepcopy(ref), torch.float32, device="cpu")
+    assert w.to("cpu") is w and w.cpu() is w
+    with pytest.raises(TypeError, match="device="):
+        w.half()
+    batch = make_batch()
+    with pytest.warns(UserWarning, match="do not compile a RoundPipe"):
+        out = torch.compile(w)(**batch)
+    want = ref(**batch)
+    torch.testing.assert_close(out.logits, want.logits.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss, want.loss.detach(), rtol=1e-6, atol=1e-6)

@@ -669,7 +669,8 @@ def _forward_uncompiled(model: RoundPipe, args: tuple, num_microbatch: Optional[
         "block of the model, or torch.compile on the layers' forward); RoundPipe then runs "
         "each compiled layer in the forward pass, the recomputation and the backward pass",
         UserWarning, stacklevel=3)
-    return model.forward(*args, num_microbatch=num_microbatch, **kwargs)
+    # RoundPipe.forward itself, not a subclass override that called it (HFRoundPipe.forward)
+    return RoundPipe.forward(model, *args, num_microbatch=num_microbatch, **kwargs)
 
 
 _MOVE_MESSAGE = (
