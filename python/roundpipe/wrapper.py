@@ -26,7 +26,9 @@ from torch.utils._pytree import tree_map
 from . import microbatch as mb
 from .context import OptimizerCtx
 from .clipping import Clip
+from .distributed import REDUCTIONS, Comm, ReplicatedReduction, ShardedReduction
 from .grad_scaler import GradScaler
+from .host_buffers import tune_malloc
 from .param_copies import ParamCopies
 from .pipeline.execute import draw_call_seed, in_layer
 from .pipeline.run import Layout, Pass
@@ -86,6 +88,15 @@ class RoundPipe(nn.Module):
             module the wrapper presents (``state_dict`` keys, parameter names); every
             parameter and buffer of the layers must belong to it. A parameter used by several
             layers (tied embeddings) is one parameter with one optimizer copy.
+        process_group: data parallelism over ``torch.distributed`` (see
+            :mod:`roundpipe.distributed`): each rank of the group wraps the same model (rank 0's
+            weights are broadcast here), feeds its own data, and every step applies the
+            gradient reduced over the ranks, so all ranks keep identical weights.
+            ``forward_backward`` returns this rank's loss. None (default): one process.
+        shard_optimizer: with a group, each rank keeps the optimizer copies, gradients and
+            optimizer state of only its rows of each parameter (``optim_parameters()`` is
+            this rank's share; elementwise optimizers work unchanged).
+        grad_reduction: ``"mean"`` (default, as DDP) or ``"sum"`` of the ranks' gradients.
 
     Concurrency: one call at a time per wrapper (``forward``, ``forward_backward``, ``step``,
     ``load_state_dict``): calls from other threads wait for the running one; a call from
@@ -101,9 +112,12 @@ class RoundPipe(nn.Module):
             dtype, ``layers_per_stage`` / ``num_microbatch`` is < 1, ``device`` is an empty
             list, names an unsupported device type or mixes CPU and CUDA, ``pin_memory`` is
             not one of the modes, ``max_resident_bytes`` < 0, ``layers`` is empty or holds a
-            tensor that is not ``model``'s.
+            tensor that is not ``model``'s, ``shard_optimizer`` without ``process_group``,
+            ``grad_reduction`` not "mean"/"sum", or the ranks wrap different models.
         TypeError: ``model`` or an entry of ``layers`` is not a module, a ``device`` entry is
-            not a str or device, ``prefetch`` is not a bool.
+            not a str or device, ``prefetch`` or ``shard_optimizer`` is not a bool.
+        RuntimeError: ``process_group`` without torch.distributed initialised, or this process
+            is not in it.
     """
 
     def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None, *,
@@ -112,7 +126,8 @@ class RoundPipe(nn.Module):
                  split_fn: Optional[Callable[..., list]] = None,
                  pin_memory: str = "auto", prefetch: bool = True,
                  max_resident_bytes: Optional[int] = None,
-                 layers: Optional[Sequence[nn.Module]] = None) -> None:
+                 layers: Optional[Sequence[nn.Module]] = None, process_group: Any = None,
+                 shard_optimizer: bool = False, grad_reduction: str = "mean") -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be an nn.Module, got {type(model).__name__}")
@@ -134,6 +149,21 @@ class RoundPipe(nn.Module):
                                                or max_resident_bytes < 0):
             raise ValueError("RoundPipe: max_resident_bytes must be None or an int >= 0, got "
                              f"{max_resident_bytes!r}")
+        if not isinstance(shard_optimizer, bool):
+            raise TypeError("RoundPipe: shard_optimizer must be a bool, got "
+                            f"{type(shard_optimizer).__name__}")
+        if shard_optimizer and process_group is None:
+            raise ValueError("RoundPipe: shard_optimizer=True needs a process_group")
+        self._comm = None
+        if process_group is not None:
+            self._comm = Comm(process_group, grad_reduction, shard_optimizer, Stats())
+            self._comm.check_and_broadcast(model)
+        elif grad_reduction not in REDUCTIONS:
+            raise ValueError(f"RoundPipe: grad_reduction must be one of {REDUCTIONS}, got "
+                             f"{grad_reduction!r}")
+        self.process_group, self.shard_optimizer = process_group, shard_optimizer
+        self.grad_reduction = grad_reduction
+        tune_malloc()
         self.module = model
         self.devices = parse_devices(device)
         self.device = self.devices[0]
@@ -147,7 +177,7 @@ class RoundPipe(nn.Module):
         if self.devices[0].type == "cuda":
             from .transfer.cuda import pin_host_model
             self.pin_memory, self._pinned_bytes = pin_host_model(model, pin_memory, self.devices[0])
-        self._copies = ParamCopies(model, self._layers, self._stages, optim_dtype)
+        self._copies = ParamCopies(model, self._layers, self._stages, optim_dtype, self._comm)
         self._build_layout()
         self._runtime_init()
 
@@ -204,7 +234,12 @@ class RoundPipe(nn.Module):
         self._stats = Stats()
         self._stats.set("pinned_bytes", self._pinned_bytes)
         self._workers = [Worker(f"roundpipe-{d}-{i}") for i, d in enumerate(self.devices)]
-        self._steps = Steps(self._copies, len(self._layers), self._stats)
+        reduction = None
+        if self._comm is not None:
+            self._comm.stats = self._stats
+            reduction = (ShardedReduction if self._comm.shard else ReplicatedReduction)(
+                self._copies, self._comm)
+        self._steps = Steps(self._copies, len(self._layers), self._stats, reduction)
         if self.devices[0].type == "cuda":
             from .transfer.cuda import CudaIO, HostWrites
             writes = HostWrites()
@@ -220,7 +255,7 @@ class RoundPipe(nn.Module):
         weakref.finalize(self, lambda: [w.close() for w in threads]).atexit = False
 
     _RUNTIME = ("_stats", "_workers", "_steps", "_ios", "_call_lock", "_call_owner", "_call_name",
-                "_locks")
+                "_locks", "_comm", "process_group")
 
     def __getstate__(self):
         """Pickling and ``copy.deepcopy`` wait for pending optimizer work, write every layer
@@ -232,6 +267,7 @@ class RoundPipe(nn.Module):
         """After ``copy.deepcopy`` or unpickling the parameters are new objects: the maps over
         them and the threads are rebuilt."""
         super().__setstate__(state)
+        self._comm, self.process_group = None, None  # a copy is one process
         self._build_layout()
         self._runtime_init()
 

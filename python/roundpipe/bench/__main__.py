@@ -2,7 +2,9 @@
 (:mod:`roundpipe.bench.optim`, the default, with its options);
 ``python -m roundpipe.bench pipeline [options]``: RoundPipe training with and without overlap
 (:mod:`roundpipe.bench.pipeline`); ``python -m roundpipe.bench overhead [options]``: the fixed
-cost of one training call on a tiny model (:mod:`roundpipe.bench.overhead`)."""
+cost of one training call on a tiny model (:mod:`roundpipe.bench.overhead`);
+``python -m roundpipe.bench distributed [options]``: data parallel ranks, communication and
+how much of it is hidden (:mod:`roundpipe.bench.distributed`)."""
 
 import sys
 
@@ -17,5 +19,9 @@ if __name__ == "__main__":
         from .overhead import main as overhead_main
 
         overhead_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "distributed":
+        from .distributed import main as distributed_main
+
+        distributed_main(sys.argv[2:])
     else:
         main()
