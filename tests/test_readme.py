@@ -1,13 +1,16 @@
 """Every ```python block of README.md runs as pasted: each in a fresh interpreter (its own
 subprocess, in an empty working directory, on the CPU: CUDA_VISIBLE_DEVICES is emptied),
 bounded by a timeout. There is no way to exclude a block: make it complete (a model, data,
-``loss_fn``, small sizes).
+``loss_fn``, small sizes). A block that is a script for ``torchrun`` says so on its first
+line, ``# NAME.py, started ... by torchrun ...``: it is saved as NAME.py and started as the
+README starts it, by torchrun, with two processes on this machine.
 
 The README's other blocks are checked elsewhere: the C++ library's (the ```bash build and
 install lines, the ```cmake find_package lines and the ```cpp use of ``RoundPipe::optim``) by
 scripts/test_install.sh, which installs the library into a temporary prefix and builds and
 runs examples/cpp against it with nothing but find_package; the quick-start ```bash lines are
-what CI runs (scripts/test.sh) and tests/test_demo.py covers the demo.
+what CI runs (scripts/test.sh) and tests/test_demo.py covers the demo; of the torchrun ```bash
+lines, the one-machine line is what this test runs (the two-machine line needs two hosts).
 """
 
 from __future__ import annotations
@@ -49,9 +52,19 @@ def test_the_readme_has_python_blocks():
     assert len(BLOCKS) >= 5, [name for name, _ in BLOCKS]
 
 
+_TORCHRUN = re.compile(r"# (\w+\.py), started .*torchrun")
+
+
 @pytest.mark.parametrize("code", [code for _, code in BLOCKS], ids=[name for name, _ in BLOCKS])
 def test_readme_block_runs_as_pasted(code, tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=240)
+    script = _TORCHRUN.match(code)
+    if script:
+        (tmp_path / script.group(1)).write_text(code)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", script.group(1)]
+    else:
+        command = [sys.executable, "-c", code]
+    r = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=240)
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
