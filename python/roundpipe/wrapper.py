@@ -410,7 +410,7 @@ class RoundPipe(nn.Module):
         by them): the call runs eagerly, with a warning. Compile the layers before wrapping
         them instead (see the README, "torch.compile")."""
         if torch.compiler.is_compiling():  # traced by torch.compile: run eagerly, say so
-            return _forward_uncompiled(self, args, num_microbatch, kwargs)
+            return _uncompiled()(self, args, num_microbatch, kwargs)
         with self._call("forward"):
             spec = PassSpec(self._microbatches(args, kwargs, None, num_microbatch), False,
                             call_seed=draw_call_seed(), autocast=AutocastState.capture())
@@ -694,8 +694,6 @@ def _check_layers(model: nn.Module, layers: Sequence[nn.Module]) -> list[nn.Modu
     return layers
 
 
-@torch.compiler.disable(reason="RoundPipe's pipeline (threads, transfers) runs eagerly; "
-                                "compile the layers before wrapping them")
 def _forward_uncompiled(model: RoundPipe, args: tuple, num_microbatch: Optional[int],
                         kwargs: dict) -> Any:
     warnings.warn(
@@ -707,6 +705,21 @@ def _forward_uncompiled(model: RoundPipe, args: tuple, num_microbatch: Optional[
         UserWarning, stacklevel=3)
     # RoundPipe.forward itself, not a subclass override that called it (HFRoundPipe.forward)
     return RoundPipe.forward(model, *args, num_microbatch=num_microbatch, **kwargs)
+
+
+_UNCOMPILED = None
+
+
+def _uncompiled():
+    """:func:`_forward_uncompiled` behind ``torch.compiler.disable``, made on first use: only
+    ever called while torch.compile traces, so ``import roundpipe`` does not import dynamo
+    (seconds of import time, and threads and exit handlers of its own)."""
+    global _UNCOMPILED
+    if _UNCOMPILED is None:
+        _UNCOMPILED = torch.compiler.disable(
+            _forward_uncompiled, reason="RoundPipe's pipeline (threads, transfers) runs eagerly; "
+                                        "compile the layers before wrapping them")
+    return _UNCOMPILED
 
 
 _MOVE_MESSAGE = (
