@@ -27,7 +27,7 @@ def test_pipeline_benchmark_runs_on_cpu_workers(tmp_path):
     result = json.loads(out.read_text())
     assert result["threads"]["torch_per_worker"] == 1 and result["threads"]["torch_reference"] == 2
     rows = result["rows"]
-    assert [row["mode"] for row in rows] == ["off", "async", "exact", "torch"]
+    assert [row["mode"] for row in rows] == ["off", "async", "exact", "exact+clip", "torch"]
     for row in rows:
         assert len(row["repeats"]) == 5
         lo, hi = row["tokens_per_s_range"]
@@ -35,7 +35,7 @@ def test_pipeline_benchmark_runs_on_cpu_workers(tmp_path):
         if row["mode"] != "torch":
             assert 0 <= row["wait_weights_pct"] <= 100 and 0 <= row["wait_optimizer_pct"] <= 100
             assert row["weights_vs_floor"] == row["grads_vs_floor"] == 1.0
-    for mode in ("async", "exact", "torch"):
+    for mode in ("async", "exact", "exact+clip", "torch"):
         assert f"{mode}: " in r.stdout and "the tokens/s of overlap off (" in r.stdout
     # the same training as plain PyTorch (fp32 on the CPU; async is one step stale)
     loss = {row["mode"]: row["final_loss"] for row in rows}

@@ -5,6 +5,9 @@ weights and for the optimizer, and the bytes moved over their floor:
 - ``off``: overlap disabled (``step(opt)`` after each ``forward_backward``, no prefetch);
 - ``async``: ``step(opt, is_async=True)`` (one step of staleness, see ``RoundPipe.step``);
 - ``exact``: ``forward_backward(optimizer=opt)`` (per-stage steps during the backward pass);
+- ``exact+clip``: the same with ``max_grad_norm=1.0``: the step waits for every gradient's
+  norm, so it runs after the backward (in the background, each layer released to the next
+  call as soon as it is written): how much of exact mode's overlap clipping keeps;
 - ``torch``: the reference, plain PyTorch training of the same model, whole, on the first
   device, in the model dtype, with ``torch.optim.AdamW`` (fused on CUDA); "does not fit" when
   the device runs out of memory.
@@ -41,7 +44,7 @@ from roundpipe import OptimizerCtx, RoundPipe
 from . import (MIN_REPEATS, Figure, available_cpus, compare, interleave, paired_ratio,
                positive_int, repeats_arg, thread_plan, writable_path)
 
-MODES = ("off", "async", "exact", "torch")
+MODES = ("off", "async", "exact", "exact+clip", "torch")
 
 
 def build_model(layers: int, hidden: int, heads: int, vocab: int, dtype: torch.dtype) -> nn.Sequential:
@@ -120,7 +123,7 @@ class _Contender:
 
 
 class RoundPipeRun(_Contender):
-    """``off``, ``async`` or ``exact`` (see the module docstring)."""
+    """``off``, ``async``, ``exact`` or ``exact+clip`` (see the module docstring)."""
 
     def _build(self) -> None:
         super()._build()
@@ -135,6 +138,8 @@ class RoundPipeRun(_Contender):
         kw = dict(input_args=(b[:, :-1],), label=b[:, 1:], loss_fn=self.loss_fn)
         if self.mode == "exact":
             return self.model.forward_backward(**kw, optimizer=self.opt)
+        if self.mode == "exact+clip":
+            return self.model.forward_backward(**kw, optimizer=self.opt, max_grad_norm=1.0)
         loss = self.model.forward_backward(**kw)
         self.model.step(self.opt, is_async=self.mode == "async")
         return loss
@@ -346,13 +351,13 @@ def print_table(rows: list[dict], cuda: bool, peak) -> None:
     def ratio(x):
         return "-" if x is None else f"{x:.2f}x"
 
-    header = (f"{'mode':<7}{'tokens/s (min-max)':>26}{'wait weights':>22}{'wait optimizer':>22}"
+    header = (f"{'mode':<11}{'tokens/s (min-max)':>26}{'wait weights':>22}{'wait optimizer':>22}"
               f"{'weights/floor':>15}{'grads/floor':>13}")
     if cuda:
         header += f"{'upload GB/s':>26}{'% of peak':>11}{'reserved GiB':>14}"
     print(header)
     for r in rows:
-        line = (f"{r['mode']:<7}{fig(r, 'tokens_per_s'):>26}{fig(r, 'wait_weights_pct', '%'):>22}"
+        line = (f"{r['mode']:<11}{fig(r, 'tokens_per_s'):>26}{fig(r, 'wait_weights_pct', '%'):>22}"
                 f"{fig(r, 'wait_optimizer_pct', '%'):>22}{ratio(r.get('weights_vs_floor')):>15}"
                 f"{ratio(r.get('grads_vs_floor')):>13}")
         if cuda:
