@@ -37,7 +37,7 @@ echo "tests: exit $tests_rc in $((SECONDS - start)) s"
 echo "== pipeline benchmark: bf16, 16 layers x 2560 (about 1.4B parameters), seq 1024, batch 8"
 start=$SECONDS
 (cd /tmp && $PY -m roundpipe.bench pipeline --devices cuda:0 --dtype bfloat16 --layers 16 \
-  --hidden 2560 --heads 20 --vocab 32000 --seq 1024 --batch 8 --iters 3 \
+  --hidden 2560 --heads 20 --vocab 32000 --seq 1024 --batch 8 --iters 2 --repeats 5 \
   --json "$out/pipeline.json") | tee "$out/table.txt"
 echo "benchmark in $((SECONDS - start)) s"
 exit "$tests_rc"

@@ -1,5 +1,6 @@
 """python -m roundpipe.bench pipeline runs end to end on CPU worker devices in a tiny
-configuration (speed is not asserted), and rejects bad sizes."""
+configuration (speed is not asserted), prints its thread setup, medians and ranges, gives the
+torch reference the workers' CPUs, and rejects bad sizes and too few repeats."""
 
 from __future__ import annotations
 
@@ -9,28 +10,52 @@ import sys
 
 import pytest
 
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8",
+        "--batch", "3", "--iters", "1"]
+
 
 def test_pipeline_benchmark_runs_on_cpu_workers(tmp_path):
     out = tmp_path / "pipeline.json"
     r = subprocess.run([sys.executable, "-m", "roundpipe.bench", "pipeline", "--devices", "cpu,cpu",
-                        "--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "64",
-                        "--seq", "8", "--batch", "3", "--iters", "2", "--json", str(out)],
+                        *TINY, "--threads", "2", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "tokens/s" in r.stdout and "wait optimizer" in r.stdout
-    rows = json.loads(out.read_text())["rows"]
-    assert [row["mode"] for row in rows] == ["off", "async", "exact", "torch"]
+    assert "tokens/s (min-max)" in r.stdout and "wait optimizer" in r.stdout
+    # two workers share the two CPUs, the reference gets both, as recorded inside the layers
+    assert ("2 RoundPipe device worker(s) with 1 torch intra-op thread(s) each (seen in the "
+            "layers: [1]); the torch reference 2 (seen: [2])") in r.stdout
+    result = json.loads(out.read_text())
+    assert result["threads"]["torch_per_worker"] == 1 and result["threads"]["torch_reference"] == 2
+    rows = result["rows"]
+    assert [row["mode"] for row in rows] == ["off", "async", "exact", "exact+clip", "torch"]
     for row in rows:
-        assert row["tokens_per_s"] > 0
+        assert len(row["repeats"]) == 5
+        lo, hi = row["tokens_per_s_range"]
+        assert 0 < lo <= row["tokens_per_s"] <= hi
         if row["mode"] != "torch":
             assert 0 <= row["wait_weights_pct"] <= 100 and 0 <= row["wait_optimizer_pct"] <= 100
+            assert row["weights_vs_floor"] == row["grads_vs_floor"] == 1.0
+    for mode in ("async", "exact", "exact+clip", "torch"):
+        assert f"{mode}: " in r.stdout and "the tokens/s of overlap off (" in r.stdout
     # the same training as plain PyTorch (fp32 on the CPU; async is one step stale)
     loss = {row["mode"]: row["final_loss"] for row in rows}
     assert loss["off"] == pytest.approx(loss["torch"], rel=1e-4)
     assert loss["exact"] == pytest.approx(loss["torch"], rel=1e-4)
 
 
-def test_pipeline_benchmark_rejects_bad_sizes():
+def test_pipeline_benchmark_rejects_bad_sizes_and_too_few_repeats():
     r = subprocess.run([sys.executable, "-m", "roundpipe.bench", "pipeline", "--hidden", "30",
                         "--heads", "4"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "multiple of --heads" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "roundpipe.bench", "pipeline", "--repeats", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "at least 5 repeats" in r.stderr
+
+
+def test_pipeline_help_explains_every_column():
+    r = subprocess.run([sys.executable, "-m", "roundpipe.bench", "pipeline", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    for column in ("tokens/s", "wait weights", "wait optimizer", "weights/floor", "grads/floor",
+                   "upload GB/s", "% of peak", "reserved GiB"):
+        assert f"\n  {column} " in r.stdout, column

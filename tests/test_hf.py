@@ -340,3 +340,40 @@ def test_layers_must_belong_to_the_model():
     x = torch.randn(2, 3)
     torch.testing.assert_close(w(x), net[0](net[1](x)))
     assert list(w.state_dict()) == list(net.state_dict())
+
+
+def test_decoder_layers_compiled_before_wrapping_train_as_hf():
+    """Decoder layers compiled (Module.compile, before wrapping) run compiled inside the
+    pipeline (graphs captured once, not per step) and train as the uncompiled HF model.
+    The aot_eager backend keeps the test fast; what is tested is the capture through the
+    pipeline's functional calls, threads and recomputation, not inductor's code."""
+    from torch._dynamo.utils import counters
+
+    ref = make_model("qwen3")
+    model = copy.deepcopy(ref)
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    w = roundpipe.wrap_model_to_roundpipe(model, torch.float32, device=["cpu", "cpu"],
+                                          num_microbatch=2)
+    train_both(ref, torch.optim.SGD(ref.parameters(), lr=0.1), w,
+               torch.optim.SGD(w.optim_parameters(), lr=0.1), seed=3, steps=1)
+    graphs = counters["stats"]["unique_graphs"]
+    train_both(ref, torch.optim.SGD(ref.parameters(), lr=0.1), w,
+               torch.optim.SGD(w.optim_parameters(), lr=0.1), seed=4, steps=2)
+    assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
+
+
+def test_torch_compile_of_the_wrapped_model_runs_it_eagerly_and_to_cpu_is_a_no_op():
+    ref = make_model("qwen3")
+    w = roundpipe.wrap_model_to_roundpipe(copy.deepcopy(ref), torch.float32, device="cpu")
+    assert w.to("cpu") is w and w.cpu() is w
+    with pytest.raises(TypeError, match="device="):
+        w.half()
+    batch = make_batch()
+    with pytest.warns(UserWarning, match="do not compile a RoundPipe"):
+        out = torch.compile(w)(**batch)
+    want = ref(**batch)
+    torch.testing.assert_close(out.logits, want.logits.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss, want.loss.detach(), rtol=1e-6, atol=1e-6)

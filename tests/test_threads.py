@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -126,27 +125,3 @@ def test_multiprocessing_fork_during_a_step_leaves_the_child_usable():
             assert proc.exitcode == 0 and queue.get(timeout=10) is True
 
 
-_EXIT_SCRIPT = textwrap.dedent("""
-    import threading, time, torch, roundpipe.optim as rpo
-    p = torch.nn.Parameter(torch.ones(4 * 1024 * 1024))
-    p.grad = torch.full_like(p, 0.5)
-    opt = rpo.Adam([p], lr=0.1)
-    stepped = threading.Event()
-    def run():
-        while True:
-            opt.step()
-            stepped.set()
-    threading.Thread(target=run, daemon=True).start()
-    stepped.wait(60)
-    print("exiting", flush=True)
-""")
-
-
-def test_exit_while_a_daemon_thread_steps_ends_the_process_normally():
-    # The daemon thread is inside the C++ step nearly all the time; when it comes back while the
-    # interpreter finalises, taking the GIL must not abort the process.
-    for _ in range(3):
-        result = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True,
-                                text=True, timeout=300)
-        assert result.returncode == 0, result.stderr
-        assert "exiting" in result.stdout and "terminate" not in result.stderr

@@ -4,7 +4,9 @@ Model state lives in CPU memory; layers stream to the compute device for forward
 the optimizer runs on the CPU in fp32 with SIMD kernels (``roundpipe.optim``).
 """
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .context import OptimizerCtx
+from .distributed import global_num_items
 from .grad_scaler import GradScaler
 from .hf import wrap_model_to_roundpipe
 from .pipeline.execute import layer_seed
@@ -22,8 +24,11 @@ __all__ = [
     "__version__",
     "doing_recompute",
     "get_recompute_data",
+    "global_num_items",
+    "load_checkpoint",
     "layer_seed",
     "merge_outputs",
+    "save_checkpoint",
     "save_for_recompute",
     "split_microbatches",
     "wrap_model_to_roundpipe",

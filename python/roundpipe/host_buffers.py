@@ -6,6 +6,14 @@
   large block has been freed, where long-lived buffers interleaved with short-lived ones (the
   gradients autograd makes) leave holes that are never returned — measured at 1.5-2.5 bytes
   per parameter of extra peak memory, varying from run to run with thread timing.
+- :func:`tune_malloc`: with glibc, RoundPipe fixes malloc's mmap threshold at 1 MiB when the
+  first RoundPipe is built (unless ``MALLOC_MMAP_THRESHOLD_`` is set or
+  ``ROUNDPIPE_MALLOC_TUNING=0``): every block of 1 MiB or more is then its own mapping, given
+  back to the OS when freed. With the adaptive default, blocks that the transport (gloo),
+  torch's operators or the data path allocate and free land in the heap once a large block
+  has been freed, and the heap keeps the holes: measured on a 2-rank sharded run at 13.4-14.3
+  bytes per parameter of peak RSS instead of 9.4. The cost is a page fault per page of a
+  large block on each allocation, which the hot path avoids by reusing its buffers.
 - :class:`HostBuffers`: gradient buffers (the CPU device's gradient sums, the optimizer side's
   accumulated gradients) are taken from a pool and given back once consumed, so their memory is
   reused from one call and one step to the next (no page faults, no allocator churn).
@@ -13,8 +21,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import os
+import sys
 import threading
 import weakref
 from typing import Sequence
@@ -23,6 +34,26 @@ import torch
 
 
 LARGE = 1 << 20
+_M_MMAP_THRESHOLD = -3
+_tuned = False
+
+
+def tune_malloc() -> bool:
+    """Fixes glibc's mmap threshold at :data:`LARGE` (see the module docstring), once per
+    process; returns whether it did (False: not glibc, the environment already chose, or
+    ``ROUNDPIPE_MALLOC_TUNING=0``)."""
+    global _tuned
+    if _tuned:
+        return True
+    if os.environ.get("ROUNDPIPE_MALLOC_TUNING", "1") == "0" or \
+            "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        _tuned = bool(libc.mallopt(_M_MMAP_THRESHOLD, LARGE))
+    except (OSError, AttributeError):
+        return False
+    return _tuned
 
 
 def host_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -6,13 +6,14 @@ with) and the *optimizer copy* (a separate ``nn.Parameter`` in ``optim_dtype``: 
 step). :class:`ParamCopies` owns the optimizer copies, the gradients accumulated for them
 between steps, and keeping the two copies consistent (write-back after a step, picking up a
 model copy changed behind the wrapper's back, the set of model copies an asynchronous step
-left behind).
+left behind). Sharded over ranks (:mod:`roundpipe.distributed`), an optimizer copy holds only
+this rank's rows of its parameter (:attr:`ParamCopies.rows`); the model copy stays whole.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -28,17 +29,19 @@ class ParamCopies:
         layers: the pipeline's layers (their parameters and buffers belong to ``module``).
         stages: the stages over ``layers``.
         optim_dtype: dtype of the optimizer copies (None: each parameter's own).
+        comm: the process group side (:class:`roundpipe.distributed.Comm`), or None.
 
     Raises:
         ValueError: a trainable parameter is not floating point.
     """
 
     def __init__(self, module: nn.Module, layers: list[nn.Module], stages: list[Stage],
-                 optim_dtype: Optional[torch.dtype]) -> None:
-        self.module, self.layers, self.stages = module, layers, stages
+                 optim_dtype: Optional[torch.dtype], comm: Any = None) -> None:
+        self.module, self.layers, self.stages, self.comm = module, layers, stages, comm
         self.names: list[str] = []
         self.model: list[nn.Parameter] = []
         self.optim: list[nn.Parameter] = []
+        self.rows: list[Optional[tuple[int, int]]] = []  # this rank's rows (None: whole)
         for name, p in module.named_parameters():
             if not p.requires_grad:
                 continue
@@ -46,8 +49,10 @@ class ParamCopies:
                 raise ValueError(f"RoundPipe: trainable parameter {name!r} has dtype {p.dtype}")
             self.names.append(name)
             self.model.append(p)
-            copy = host_empty(p.shape, optim_dtype or p.dtype).copy_(p.detach())
-            self.optim.append(nn.Parameter(copy))
+            rows = comm.rows(p.shape) if comm is not None and comm.sharded(p.shape) else None
+            self.rows.append(rows)
+            src = p.detach() if rows is None else p.detach()[rows[0]:rows[1]]
+            self.optim.append(nn.Parameter(host_empty(src.shape, optim_dtype or p.dtype).copy_(src)))
         self.lock = threading.Lock()
         self.pool = HostBuffers()
         self.stale: set[int] = set()  # model copies behind their optimizer copies (async step)
@@ -72,6 +77,8 @@ class ParamCopies:
         for li, ids in enumerate(self.layer_params):
             for i in ids:
                 self.param_layers[i].append(li)
+        self.own_params = [[i for i in ids if self.param_layers[i][0] == li]  # first layer
+                           for li, ids in enumerate(self.layer_params)]
         stages_of: dict[int, set[int]] = {}
         for st in self.stages:
             for li in st.layers:
@@ -81,9 +88,12 @@ class ParamCopies:
         for i in range(len(self.model)):
             if i in stages_of:
                 self.final_params[min(stages_of[i])].append(i)
+        self.stage_params: list[list[int]] = [  # each once, in layer order
+            list(dict.fromkeys(i for li in st.layers for i in self.layer_params[li]))
+            for st in self.stages]
 
-    _DERIVED = ("lock", "pool", "index", "known", "grads", "norms_sq", "synced", "layer_params", "param_layers",
-                "final_params")
+    _DERIVED = ("lock", "pool", "comm", "index", "known", "grads", "norms_sq", "synced", "layer_params", "param_layers",
+                "own_params", "final_params", "stage_params")
 
     def __getstate__(self) -> dict:
         """Pickling keeps the copies and the set of stale model copies; the maps (over object
@@ -94,6 +104,7 @@ class ParamCopies:
         self.__dict__.update(state)
         self.lock = threading.Lock()
         self.pool = HostBuffers()
+        self.comm = None
         self.rebuild()
 
     @staticmethod
@@ -155,6 +166,16 @@ class ParamCopies:
 
     # --- keeping the copies consistent ---------------------------------------------------------------
 
+    def model_rows(self, i: int) -> torch.Tensor:
+        """The part of model copy ``i`` that optimizer copy ``i`` holds (all of it unless
+        sharded)."""
+        rows = self.rows[i]
+        return self.model[i] if rows is None else self.model[i].data[rows[0]:rows[1]]
+
+    def sharded(self, indices: Iterable[int]) -> list[int]:
+        """Those of ``indices`` whose optimizer copy holds only some rows."""
+        return [i for i in indices if self.rows[i] is not None]
+
     def refresh_from_model(self) -> None:
         """A model copy changed behind the wrapper's back (e.g. ``load_state_dict`` on the
         wrapped model after wrapping): its optimizer copy takes its value, so the next step
@@ -162,13 +183,14 @@ class ParamCopies:
         with torch.no_grad():
             for i, p in enumerate(self.model):
                 if self.version(p) != self.synced[i]:
-                    self.optim[i].copy_(p)
+                    self.optim[i].copy_(self.model_rows(i))
                     self.synced[i] = self.version(p)
 
     def write_back(self, i: int) -> None:
-        """Model copy ``i`` takes its optimizer copy's value, rounded to the model dtype."""
+        """Model copy ``i`` takes its optimizer copy's value, rounded to the model dtype (its
+        rows of it when sharded: the caller all-gathers the rest)."""
         with torch.no_grad():
-            self.model[i].copy_(self.optim[i])
+            self.model_rows(i).copy_(self.optim[i])
         self.synced[i] = self.version(self.model[i])
 
     def mark_synced(self, i: int) -> None:
@@ -176,11 +198,14 @@ class ParamCopies:
         self.synced[i] = self.version(self.model[i])
 
     def write_back_stale(self) -> None:
-        """Every model copy an asynchronous step left behind takes its optimizer copy's value."""
+        """Every model copy an asynchronous step left behind takes its optimizer copy's value
+        (sharded: this rank's rows, then every rank's rows all-gathered)."""
         with self.lock:
             todo, self.stale = sorted(self.stale), set()
         for i in todo:
             self.write_back(i)
+        if self.comm is not None:
+            self.comm.all_gather_rows([self.model[i] for i in self.sharded(todo)])
 
     # --- gradients -----------------------------------------------------------------------------------
 
@@ -224,10 +249,13 @@ class ParamCopies:
     def state_dict(self, sd: dict, prefix: str, keep_vars: bool) -> dict:
         """``sd`` (the module's state dict) with every name of a trainable parameter (tied ones
         included) holding its optimizer copy."""
+        full = {}
+        for i in self.sharded(range(len(self.model))):  # collective: every rank calls it
+            full[i] = self.comm.gather_rows(self.optim[i].detach(), self.model[i].shape)
         for name, p in self.module.named_parameters(remove_duplicate=False):
             i = self.index.get(id(p))
             if i is not None:
-                o = self.optim[i]
+                o = full.get(i, self.optim[i])
                 sd[prefix + name] = o if keep_vars else o.detach()
         return sd
 
@@ -242,6 +270,7 @@ class ParamCopies:
                 last[i] = name
         with torch.no_grad():
             for i, name in last.items():
-                self.optim[i].copy_(state_dict[name])
+                value, rows = state_dict[name], self.rows[i]
+                self.optim[i].copy_(value if rows is None else value[rows[0]:rows[1]])
         for i, p in enumerate(self.model):
             self.synced[i] = self.version(p)

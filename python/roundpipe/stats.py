@@ -10,7 +10,8 @@ Keys (all floats, accumulated since construction or the last reset):
   measured on the device with events, folded in when they complete);
 - ``optimizer_wait_s``: passes waiting for layers still being written by the optimizer side;
 - ``optimizer_s``: time in fused optimizer steps; ``upload_s``: weight uploads (CUDA: timed on
-  the upload stream);
+  the upload stream); ``comm_s``: the optimizer thread waiting for collectives across ranks
+  (``process_group``: the part of the communication not hidden behind its other work);
 - ``h2d_<kind>_bytes`` / ``d2h_<kind>_bytes`` for ``kind`` in :data:`KINDS`: bytes moved host
   to device and device to host;
 - ``weight_floor_bytes``: the weights every visit of a stage must upload (each unique
@@ -28,7 +29,8 @@ from __future__ import annotations
 import threading
 
 KINDS = ("weight", "activation", "input_grad", "param_grad", "buffer", "label", "output")
-TIME_KEYS = ("wall_s", "device_s", "weights_wait_s", "optimizer_wait_s", "optimizer_s", "upload_s")
+TIME_KEYS = ("wall_s", "device_s", "weights_wait_s", "optimizer_wait_s", "optimizer_s", "upload_s",
+             "comm_s")
 BYTE_KEYS = (tuple(f"h2d_{k}_bytes" for k in KINDS) + tuple(f"d2h_{k}_bytes" for k in KINDS)
              + ("weight_floor_bytes", "param_grad_floor_bytes"))
 COUNT_KEYS = ("exact_deferred_calls",)

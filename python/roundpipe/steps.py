@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_map
 
 from .clipping import Clip, total_norm
 from .context import OptimizerCtx
+from .distributed import Reduction
 from .grad_scaler import GradScaler
 from .optim import CpuOptimizer
 from .optimizer_thread import OptimizerThread
@@ -122,10 +123,14 @@ class Steps:
         copies: the parameter copies it steps and writes back.
         num_layers: number of pipeline layers.
         stats: where optimizer seconds and counts go.
+        reduction: what happens to gradients across ranks (:mod:`roundpipe.distributed`;
+            default: one process).
     """
 
-    def __init__(self, copies: ParamCopies, num_layers: int, stats: Stats) -> None:
+    def __init__(self, copies: ParamCopies, num_layers: int, stats: Stats,
+                 reduction: Optional[Reduction] = None) -> None:
         self.copies, self.stats = copies, stats
+        self.reduction = reduction or Reduction(copies)
         self.thread = OptimizerThread(num_layers, on_error=self.discard)
         self.gates = self.thread.gates
         self._hooked: "weakref.WeakSet" = weakref.WeakSet()
@@ -226,40 +231,42 @@ class Steps:
 
         def sink(stage: int, download: Optional[GradDownload], io: DeviceIO) -> None:
             final = copies.final_params[stage] if exact is not None else []
-            if download is None and not final:
+            if download is None and not final and not self.reduction.stage_always(stage):
                 return
             if final:
                 with copies.lock:
                     copies.stale.difference_update(final)
-            self.thread.submit(functools.partial(self._consume, download, io, exact, final,
+            self.thread.submit(functools.partial(self._consume, stage, download, io, exact, final,
                                                  exact is not None and stage == exact.last_stage),
                                copies.layers_of(final))
 
         return sink
 
-    def _consume(self, download: Optional[GradDownload], io: DeviceIO,
+    def _consume(self, stage: int, download: Optional[GradDownload], io: DeviceIO,
                  exact: Optional[ExactStep], final: list[int], last: bool, release) -> None:
         copies = self.copies
         direct: dict[int, torch.Tensor] = {}
+        owned = download is not None and download.owned
         try:
+            got, norms = {}, {}
             if download is not None:
                 io.host_wait(download.event)
-                norms = download.norms_sq.tolist()
-                final_set = set(final)
-                for (i, g), norm_sq in zip(download.items, norms):
-                    if i in final_set and copies.grads[i] is None:
-                        direct[i] = g  # stepped straight from the download
-                    else:
-                        copies.accumulate(i, g, download.owned, norm_sq)
+                got = dict(download.items)
+                norms = dict(zip(got, download.norms_sq.tolist()))
+            direct = self.reduction.consume(stage, got, norms, owned,
+                                            set(final) if exact is not None else set())
+            got = None
             if exact is not None and final:
                 grads = {i: direct[i] if i in direct else copies.grads[i] for i in final}
                 for i in final:
                     copies.grads[i] = None
                     copies.norms_sq[i] = None
+                grads = self.reduction.exact_ready(final, grads)
                 exact.norms_sq.append(self._fused(exact.snapshot, exact.owned, final, grads,
-                                                  write_back=True, want_norm=True))
+                                                  True, self.reduction.divisor, want_norm=True))
+                self.reduction.written(final)
                 for i in final:
-                    if grads[i] is not None and (i not in direct or download.owned):
+                    if grads[i] is not None and (i not in direct or owned):
                         copies.pool.give(grads[i])
             if last:
                 self.report = StepReport(total_norm(exact.norms_sq))
@@ -342,16 +349,25 @@ class Steps:
         self.thread.submit(functools.partial(self._step_job, plan), range(len(copies.layers)))
 
     def _step_job(self, plan: _Plan, release) -> Any:
-        copies = self.copies
+        copies, reduction = self.copies, self.reduction
         grads, norms = copies.take_grads()
+        if reduction.invalidates_norms():
+            norms = [None] * len(norms)
         try:
             if plan.behind:
                 behind = set(plan.behind)
                 for li in range(len(copies.layers)):
-                    for i in copies.layer_params[li]:
-                        if i in behind:
-                            copies.write_back(i)
+                    mine = [i for i in copies.own_params[li] if i in behind]
+                    for i in mine:
+                        copies.write_back(i)
+                    reduction.written(mine)
                     release(li)
+            verdict = plan.clip is not None or (plan.scaler is not None
+                                                 and plan.scaler.is_enabled())
+            layers = reduction.layers_ready(grads, copies.own_params,
+                                            verdict or plan.twin is None)
+            if verdict or plan.twin is None:
+                layers = list(layers)  # every gradient global before the verdict / the step
             try:
                 decision = self._decide(grads, norms, plan)
             finally:
@@ -360,15 +376,16 @@ class Steps:
                 self.report = StepReport(decision.norm, True, plan.scale)
                 return None
             if plan.twin is not None:
-                decision.norm = self._step_layers(plan, grads, decision, release)
+                decision.norm = self._step_layers(plan, grads, decision, layers, release)
                 result = None
             else:
                 result = self._step_whole(plan, grads, decision)
                 grads = [None] * len(grads)  # the step function may keep them: not reused
             if plan.write_back and plan.twin is None:
                 for li in range(len(copies.layers)):
-                    for i in copies.layer_params[li]:
+                    for i in copies.own_params[li]:
                         copies.write_back(i)
+                    reduction.written(copies.own_params[li])
                     release(li)
             self.report = StepReport(decision.norm, False, plan.scale)
             return result
@@ -380,36 +397,38 @@ class Steps:
     def _decide(self, grads: list, norms: list, plan: _Plan) -> _Decision:
         """Overflow, the scaler's update and the clipping coefficient, from the squared norms
         gathered during the pass (a norm the pass could not give — a gradient summed over
-        several calls — is computed here, one read of that gradient)."""
+        several calls or across ranks — is computed here, one read of that gradient)."""
         scaling = plan.scaler is not None and plan.scaler.is_enabled()
         if plan.clip is None and not scaling:
             return _Decision()
         for i, g in enumerate(grads):
             if g is not None and norms[i] is None:
                 norms[i] = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
-        norm = total_norm([n for n in norms if n is not None]) / plan.scale
+        norm = math.sqrt(self.reduction.norm_sq(norms)) / (plan.scale * self.reduction.divisor)
         coef = plan.clip.coefficient(norm) if plan.clip is not None else 1.0
         skip = plan.scaler._update(not math.isfinite(norm), plan.scale) if scaling else False
         return _Decision(skip, coef, norm)
 
-    def _step_layers(self, plan: _Plan, grads: list, decision: _Decision, release) -> float:
-        """The update layer by layer through ``fused_step``; returns the gradient norm (the
-        kernel's when the verdict did not need one)."""
+    def _step_layers(self, plan: _Plan, grads: list, decision: _Decision, layers,
+                     release) -> float:
+        """The update layer by layer (as ``layers`` yields them: their gradients global)
+        through ``fused_step``; returns the gradient norm (the kernel's when the verdict did
+        not need one)."""
         copies = self.copies
         owned = _owned(plan.twin)
         want = math.isnan(decision.norm)
         parts: list[float] = []
-        done: set[int] = set()
-        for li in range(len(copies.layers)):
-            todo = [i for i in copies.layer_params[li] if i not in done]
-            done.update(todo)
+        for li in layers:
+            todo = copies.own_params[li]
             parts.append(self._fused(plan.twin, owned, todo, {i: grads[i] for i in todo},
-                                     plan.write_back, plan.scale, decision.coef, want))
+                                     plan.write_back, plan.scale * self.reduction.divisor,
+                                     decision.coef, want))
             for i in todo:
                 if grads[i] is not None:
                     copies.pool.give(grads[i])
                     grads[i] = None
             if plan.write_back:
+                self.reduction.written(todo)
                 release(li)
         return total_norm(parts) if want else decision.norm
 
@@ -419,8 +438,9 @@ class Steps:
         copies' ``.grad``, then ``fn()`` inside OptimizerCtx."""
         copies = self.copies
         with torch.no_grad():
-            if plan.scale != 1.0:
-                inv = torch.tensor(1.0 / plan.scale, dtype=torch.float32)
+            scale = plan.scale * self.reduction.divisor
+            if scale != 1.0:
+                inv = torch.tensor(1.0 / scale, dtype=torch.float32)
                 for g in grads:
                     if g is not None:
                         g.mul_(inv)
@@ -450,7 +470,7 @@ class Steps:
         if step:
             start = time.perf_counter()
             result = twin.fused_step([copies.optim[i] for i in step], [grads[i] for i in step],
-                                     [copies.model[i] for i in step] if write_back else None,
+                                     [copies.model_rows(i) for i in step] if write_back else None,
                                      grad_scale=scale, clip_factor=clip, grad_norm=want_norm)
             self.stats.add("optimizer_s", time.perf_counter() - start)
             norm_sq = result.grad_norm_sq or 0.0

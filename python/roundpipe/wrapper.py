@@ -15,16 +15,20 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from . import microbatch as mb
 from .context import OptimizerCtx
 from .clipping import Clip
+from .distributed import REDUCTIONS, Comm, ReplicatedReduction, ShardedReduction
 from .grad_scaler import GradScaler
+from .host_buffers import tune_malloc
 from .param_copies import ParamCopies
 from .pipeline.execute import draw_call_seed, in_layer
 from .pipeline.run import Layout, Pass
@@ -84,6 +88,15 @@ class RoundPipe(nn.Module):
             module the wrapper presents (``state_dict`` keys, parameter names); every
             parameter and buffer of the layers must belong to it. A parameter used by several
             layers (tied embeddings) is one parameter with one optimizer copy.
+        process_group: data parallelism over ``torch.distributed`` (see
+            :mod:`roundpipe.distributed`): each rank of the group wraps the same model (rank 0's
+            weights are broadcast here), feeds its own data, and every step applies the
+            gradient reduced over the ranks, so all ranks keep identical weights.
+            ``forward_backward`` returns this rank's loss. None (default): one process.
+        shard_optimizer: with a group, each rank keeps the optimizer copies, gradients and
+            optimizer state of only its rows of each parameter (``optim_parameters()`` is
+            this rank's share; elementwise optimizers work unchanged).
+        grad_reduction: ``"mean"`` (default, as DDP) or ``"sum"`` of the ranks' gradients.
 
     Concurrency: one call at a time per wrapper (``forward``, ``forward_backward``, ``step``,
     ``load_state_dict``): calls from other threads wait for the running one; a call from
@@ -99,9 +112,12 @@ class RoundPipe(nn.Module):
             dtype, ``layers_per_stage`` / ``num_microbatch`` is < 1, ``device`` is an empty
             list, names an unsupported device type or mixes CPU and CUDA, ``pin_memory`` is
             not one of the modes, ``max_resident_bytes`` < 0, ``layers`` is empty or holds a
-            tensor that is not ``model``'s.
+            tensor that is not ``model``'s, ``shard_optimizer`` without ``process_group``,
+            ``grad_reduction`` not "mean"/"sum", or the ranks wrap different models.
         TypeError: ``model`` or an entry of ``layers`` is not a module, a ``device`` entry is
-            not a str or device, ``prefetch`` is not a bool.
+            not a str or device, ``prefetch`` or ``shard_optimizer`` is not a bool.
+        RuntimeError: ``process_group`` without torch.distributed initialised, or this process
+            is not in it.
     """
 
     def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None, *,
@@ -110,7 +126,8 @@ class RoundPipe(nn.Module):
                  split_fn: Optional[Callable[..., list]] = None,
                  pin_memory: str = "auto", prefetch: bool = True,
                  max_resident_bytes: Optional[int] = None,
-                 layers: Optional[Sequence[nn.Module]] = None) -> None:
+                 layers: Optional[Sequence[nn.Module]] = None, process_group: Any = None,
+                 shard_optimizer: bool = False, grad_reduction: str = "mean") -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be an nn.Module, got {type(model).__name__}")
@@ -132,6 +149,21 @@ class RoundPipe(nn.Module):
                                                or max_resident_bytes < 0):
             raise ValueError("RoundPipe: max_resident_bytes must be None or an int >= 0, got "
                              f"{max_resident_bytes!r}")
+        if not isinstance(shard_optimizer, bool):
+            raise TypeError("RoundPipe: shard_optimizer must be a bool, got "
+                            f"{type(shard_optimizer).__name__}")
+        if shard_optimizer and process_group is None:
+            raise ValueError("RoundPipe: shard_optimizer=True needs a process_group")
+        self._comm = None
+        if process_group is not None:
+            self._comm = Comm(process_group, grad_reduction, shard_optimizer, Stats())
+            self._comm.check_and_broadcast(model)
+        elif grad_reduction not in REDUCTIONS:
+            raise ValueError(f"RoundPipe: grad_reduction must be one of {REDUCTIONS}, got "
+                             f"{grad_reduction!r}")
+        self.process_group, self.shard_optimizer = process_group, shard_optimizer
+        self.grad_reduction = grad_reduction
+        tune_malloc()
         self.module = model
         self.devices = parse_devices(device)
         self.device = self.devices[0]
@@ -145,7 +177,7 @@ class RoundPipe(nn.Module):
         if self.devices[0].type == "cuda":
             from .transfer.cuda import pin_host_model
             self.pin_memory, self._pinned_bytes = pin_host_model(model, pin_memory, self.devices[0])
-        self._copies = ParamCopies(model, self._layers, self._stages, optim_dtype)
+        self._copies = ParamCopies(model, self._layers, self._stages, optim_dtype, self._comm)
         self._build_layout()
         self._runtime_init()
 
@@ -202,7 +234,12 @@ class RoundPipe(nn.Module):
         self._stats = Stats()
         self._stats.set("pinned_bytes", self._pinned_bytes)
         self._workers = [Worker(f"roundpipe-{d}-{i}") for i, d in enumerate(self.devices)]
-        self._steps = Steps(self._copies, len(self._layers), self._stats)
+        reduction = None
+        if self._comm is not None:
+            self._comm.stats = self._stats
+            reduction = (ShardedReduction if self._comm.shard else ReplicatedReduction)(
+                self._copies, self._comm)
+        self._steps = Steps(self._copies, len(self._layers), self._stats, reduction)
         if self.devices[0].type == "cuda":
             from .transfer.cuda import CudaIO, HostWrites
             writes = HostWrites()
@@ -218,7 +255,7 @@ class RoundPipe(nn.Module):
         weakref.finalize(self, lambda: [w.close() for w in threads]).atexit = False
 
     _RUNTIME = ("_stats", "_workers", "_steps", "_ios", "_call_lock", "_call_owner", "_call_name",
-                "_locks")
+                "_locks", "_comm", "process_group")
 
     def __getstate__(self):
         """Pickling and ``copy.deepcopy`` wait for pending optimizer work, write every layer
@@ -230,6 +267,7 @@ class RoundPipe(nn.Module):
         """After ``copy.deepcopy`` or unpickling the parameters are new objects: the maps over
         them and the threads are rebuilt."""
         super().__setstate__(state)
+        self._comm, self.process_group = None, None  # a copy is one process
         self._build_layout()
         self._runtime_init()
 
@@ -261,9 +299,35 @@ class RoundPipe(nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def _apply(self, fn, recurse=True):
-        raise TypeError("RoundPipe keeps the model on the host in the dtype it was given: convert "
-                        "the model (e.g. net.to(torch.bfloat16)) before wrapping it, and choose "
-                        "the compute device with RoundPipe(device=...)")
+        """What ``nn.Module.to`` / ``cpu`` / ``cuda`` / ``float`` / ``half`` / ``type`` /
+        ``share_memory`` ... call. The model copy stays on the host in the dtype it was
+        given, so a call that would leave every tensor as it is (``model.to("cpu")``,
+        ``model.cpu()``, ``model.float()`` on an fp32 model) does nothing and returns the
+        model, as in PyTorch; any other raises ``TypeError`` before anything changes.
+
+        ``fn`` is tried on a small stand-in of each parameter and buffer (same dtype, device,
+        dimensions and stride order; never on the tensors themselves): it is a no-op when it
+        returns the stand-in itself, with the same storage."""
+        for name, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
+            order = sorted(range(t.dim()), key=lambda d: t.stride(d), reverse=True)
+            strides = [0] * t.dim()
+            for k, d in enumerate(order):
+                strides[d] = 2 ** (t.dim() - 1 - k)
+            probe = torch.empty_strided((2,) * t.dim(), strides, dtype=t.dtype, device=t.device)
+            before = (probe.untyped_storage().data_ptr(), probe.is_shared())
+            try:
+                result = fn(probe)
+            except Exception as e:  # e.g. .cuda() without CUDA: the message below says more
+                raise TypeError(_MOVE_MESSAGE.format(name=name, t=t, to="something else")) from e
+            if not (result is probe and before == (probe.untyped_storage().data_ptr(),
+                                                   probe.is_shared())):
+                to = "something else"
+                if isinstance(result, torch.Tensor):
+                    to = (f"{result.dtype} on {result.device}"
+                          if (result.dtype, result.device) != (t.dtype, t.device)
+                          else "other memory (a copy, shared memory or another layout)")
+                raise TypeError(_MOVE_MESSAGE.format(name=name, t=t, to=to))
+        return self
 
     # --- calls ---------------------------------------------------------------------------------------
 
@@ -286,10 +350,28 @@ class RoundPipe(nn.Module):
                 self._call_owner, self._call_name = None, ""
 
     def _microbatches(self, args, kwargs, label, num_microbatch) -> list:
+        """The call's inputs split into microbatches. Floating-point input tensors (in
+        ``args`` and ``kwargs``, not the label) are first cast to the model copy's dtype
+        (that of the first floating parameter of the layers, in order) when theirs differs,
+        as FSDP's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` does; the caller's
+        tensors are left as they are."""
         n = num_microbatch if num_microbatch is not None else self.num_microbatch
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"RoundPipe: num_microbatch must be an int >= 1, got {n!r}")
-        return self._split(tuple(args), dict(kwargs or {}), label, n)
+        args, kwargs = tuple(args), dict(kwargs or {})
+        if "_input_dtype" not in self.__dict__:  # parameters keep their dtype (see _apply)
+            self._input_dtype = next((p.dtype for layer in self._layers
+                                      for p in layer.parameters() if p.is_floating_point()), None)
+        dtype = self._input_dtype
+
+        def needs_cast(t) -> bool:
+            return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
+
+        # the usual flat call needs no tree walk: only nested inputs or a cast do
+        if dtype is not None and any(isinstance(v, (tuple, list, dict)) or needs_cast(v)
+                                     for v in (*args, *kwargs.values())):
+            args, kwargs = tree_map(lambda t: t.to(dtype) if needs_cast(t) else t, (args, kwargs))
+        return self._split(args, kwargs, label, n)
 
     def _layout(self) -> Layout:
         refs = self._copies.refs()
@@ -321,7 +403,14 @@ class RoundPipe(nn.Module):
         training mode, buffers (e.g. BatchNorm running statistics) are updated on the host.
         Layers still being updated by the optimizer side are waited for, each on its own.
         After an asynchronous step and before :meth:`synchronize`, this computes with the
-        weights the next ``forward_backward`` computes with (one step behind)."""
+        weights the next ``forward_backward`` computes with (one step behind).
+
+        ``torch.compile(model)`` / ``model.compile()`` do not compile a RoundPipe (its pipeline
+        of threads and transfers cannot be traced, and ``forward_backward`` is not even seen
+        by them): the call runs eagerly, with a warning. Compile the layers before wrapping
+        them instead (see the README, "torch.compile")."""
+        if torch.compiler.is_compiling():  # traced by torch.compile: run eagerly, say so
+            return _uncompiled()(self, args, num_microbatch, kwargs)
         with self._call("forward"):
             spec = PassSpec(self._microbatches(args, kwargs, None, num_microbatch), False,
                             call_seed=draw_call_seed(), autocast=AutocastState.capture())
@@ -603,3 +692,39 @@ def _check_layers(model: nn.Module, layers: Sequence[nn.Module]) -> list[nn.Modu
                 raise ValueError(f"RoundPipe: {name!r} of layers[{i}] is not a parameter or "
                                  "buffer of model; every layer must be a part of the model")
     return layers
+
+
+def _forward_uncompiled(model: RoundPipe, args: tuple, num_microbatch: Optional[int],
+                        kwargs: dict) -> Any:
+    warnings.warn(
+        "torch.compile(model) and model.compile() do not compile a RoundPipe: its pipeline "
+        "(threads, transfers) runs eagerly, and forward_backward is not compiled by them. "
+        "Compile the layers before wrapping them instead (e.g. block.compile() for each "
+        "block of the model, or torch.compile on the layers' forward); RoundPipe then runs "
+        "each compiled layer in the forward pass, the recomputation and the backward pass",
+        UserWarning, stacklevel=3)
+    # RoundPipe.forward itself, not a subclass override that called it (HFRoundPipe.forward)
+    return RoundPipe.forward(model, *args, num_microbatch=num_microbatch, **kwargs)
+
+
+_UNCOMPILED = None
+
+
+def _uncompiled():
+    """:func:`_forward_uncompiled` behind ``torch.compiler.disable``, made on first use: only
+    ever called while torch.compile traces, so ``import roundpipe`` does not import dynamo
+    (seconds of import time, and threads and exit handlers of its own)."""
+    global _UNCOMPILED
+    if _UNCOMPILED is None:
+        _UNCOMPILED = torch.compiler.disable(
+            _forward_uncompiled, reason="RoundPipe's pipeline (threads, transfers) runs eagerly; "
+                                        "compile the layers before wrapping them")
+    return _UNCOMPILED
+
+
+_MOVE_MESSAGE = (
+    "RoundPipe keeps the model on the host in the dtype it was given ({name!r}: {t.dtype} on "
+    "{t.device}); this call would make it {to}. Convert the model before wrapping it (e.g. "
+    "RoundPipe(net.to(torch.bfloat16), ...)) and choose the compute device with "
+    "RoundPipe(..., device=...); calls that change nothing (model.to('cpu'), model.cpu()) are "
+    "accepted")

@@ -1,9 +1,12 @@
 """python -m roundpipe.bench: optimizer steps against their memory-bandwidth floor and torch
-(:mod:`roundpipe.bench.optim`, the default, with its options), or
+(:mod:`roundpipe.bench.optim`, the default, with its options);
 ``python -m roundpipe.bench pipeline [options]``: RoundPipe training with and without overlap
-(:mod:`roundpipe.bench.pipeline`), or ``python -m roundpipe.bench memory [options]``: host bytes
-per parameter, step speed and convergence of each compact-storage option
-(:mod:`roundpipe.bench.memory`)."""
+(:mod:`roundpipe.bench.pipeline`); ``python -m roundpipe.bench overhead [options]``: the fixed
+cost of one training call on a tiny model (:mod:`roundpipe.bench.overhead`);
+``python -m roundpipe.bench distributed [options]``: data parallel ranks, communication and
+how much of it is hidden (:mod:`roundpipe.bench.distributed`);
+``python -m roundpipe.bench memory [options]``: host bytes per parameter, step speed and
+convergence of each compact-storage option (:mod:`roundpipe.bench.memory`)."""
 
 import sys
 
@@ -14,6 +17,14 @@ if __name__ == "__main__":
         from .pipeline import main as pipeline_main
 
         pipeline_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "overhead":
+        from .overhead import main as overhead_main
+
+        overhead_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "distributed":
+        from .distributed import main as distributed_main
+
+        distributed_main(sys.argv[2:])
     elif len(sys.argv) > 1 and sys.argv[1] == "memory":
         from .memory import main as memory_main
 

@@ -12,13 +12,15 @@ gradient in, bfloat16 model copy out, in one pass) against the same work done se
 (``stream_step`` through the same fused pass, moving the same bytes).
 
 Each contender steps its own copy of the parameters and state; contenders are timed in turn,
-``--repeats`` rounds, and the median is reported, so machine drift hits all alike. Also reported:
+``--repeats`` rounds (rotating who goes first, so machine drift hits all alike), and every
+figure is the median over the rounds with its min-max range; ratios are taken per round.
+Our pool and torch's intra-op threads both get ``--threads``. Also reported:
 a torch matrix multiply timed alone and right after one of our steps (the pool's workers must be
 asleep, not spinning, when the step returns).
 
     python -m roundpipe.bench                        # all algorithms, three layouts, 1 thread
     python -m roundpipe.bench --algorithms Adam SGD --layouts 200x250k --threads 2
-    python -m roundpipe.bench --scale 0.001 --repeats 2 --json out.json   # a quick run
+    python -m roundpipe.bench --scale 0.001 --repeats 5 --json out.json   # a quick run
     python -m roundpipe.bench --mixed-layout none     # skip the mixed-precision table
 """
 
@@ -28,14 +30,14 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
 
 import torch
 
 import roundpipe.optim as rpo
 from roundpipe import _C
 
-from . import positive_float, positive_int, writable_path
+from . import (MIN_REPEATS, Figure, available_cpus, compare, human, interleave, paired_ratio,
+               positive_float, positive_int, repeats_arg, timed, writable_path)
 
 # name -> (roundpipe class, torch class, whether torch has fused=True for CPU)
 ALGORITHMS = {
@@ -54,25 +56,6 @@ ALGORITHMS = {
 # SGD with torch's default momentum 0 keeps no state; the benchmark uses momentum 0.9.
 KWARGS = {"SGD": dict(momentum=0.9)}
 LAYOUTS = {"50M": (1, 50_000_000), "200x250k": (200, 250_000), "20000x1k": (20_000, 1_000)}
-
-
-@dataclass
-class Row:
-    algorithm: str
-    layout: str
-    elements: int
-    bytes_per_element: int
-    ns_per_param: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def ours(self) -> float:
-        return self.ns_per_param["roundpipe"]
-
-    @property
-    def torch_best(self) -> tuple[str, float]:
-        name = min((k for k in self.ns_per_param if k.startswith("torch")),
-                   key=self.ns_per_param.__getitem__)
-        return name, self.ns_per_param[name]
 
 
 def _params(count: int, size: int, gen: torch.Generator) -> list[torch.nn.Parameter]:
@@ -116,35 +99,6 @@ def _contenders(name: str, count: int, size: int, gen: torch.Generator) -> dict:
     return steps, len(states)
 
 
-def _median_times(steps: dict, repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for r in range(repeats):
-        order = list(steps)
-        order = order[r % len(order):] + order[: r % len(order)]  # rotate who goes first
-        for k in order:
-            t0 = time.perf_counter()
-            steps[k]()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def matmul_interference(repeats: int) -> dict[str, float]:
-    """Median time of a 512x512 matmul alone and right after a RoundPipe step."""
-    a, b = torch.rand(512, 512), torch.rand(512, 512)
-    ps = _params(16, 65536, torch.Generator().manual_seed(1))
-    opt = rpo.Adam(ps)
-    alone, after = [], []
-    for _ in range(repeats * 5):
-        t0 = time.perf_counter()
-        a @ b
-        alone.append(time.perf_counter() - t0)
-        opt.step()
-        t0 = time.perf_counter()
-        a @ b
-        after.append(time.perf_counter() - t0)
-    return {"alone_ms": 1e3 * statistics.median(alone), "after_step_ms": 1e3 * statistics.median(after)}
-
-
 def _mixed_contenders(name: str, count: int, size: int, gen: torch.Generator):
     """name -> one step of: the fused pass's floor, fused_step (bf16 grad in, bf16 copy out),
     and the same done separately; plus the bytes per element of the fused and separate ways."""
@@ -185,54 +139,149 @@ def _mixed_contenders(name: str, count: int, size: int, gen: torch.Generator):
     return steps, fused_bytes, fused_bytes + 6 + 6
 
 
-def run_mixed(algorithms, layout: str, repeats: int, scale: float, log=print) -> list[dict]:
+def layout_shape(layout: str, scale: float) -> tuple[int, int]:
+    """``(tensors, elements per tensor)`` of ``layout`` under ``--scale``: a multi-tensor layout
+    gets fewer tensors of the same size, the single tensor fewer elements."""
     count, size = LAYOUTS[layout]
-    count = max(1, round(count * scale)) if count > 1 else 1
-    size = max(1, round(size * scale)) if count == 1 else size
+    if count > 1:
+        return max(1, round(count * scale)), size
+    return 1, max(1, round(size * scale))
+
+
+def layout_label(count: int, size: int) -> str:
+    """The real sizes, named as the layouts are: ``50M``, ``200x250k``, ``10x250k``."""
+    return human(size) if count == 1 else f"{count}x{human(size)}"
+
+
+def _measure(steps: dict, repeats: int, elements: int) -> dict[str, list[float]]:
+    """ns per element of every step, per repeat, interleaved."""
+    times = interleave({k: timed(fn) for k, fn in steps.items()}, repeats)
+    return {k: [1e9 * t / elements for t in v] for k, v in times.items()}
+
+
+def _row(algorithm: str, layout: str, count: int, size: int, bytes_per_element: int,
+         ns: dict[str, list[float]], ours: str) -> dict:
+    """A table row: every contender's ns per element (median, range, samples), and per-round
+    ratios: the floor over ``ours`` and the best torch variant (or ``separate``) over ``ours``."""
+    others = [k for k in ns if k not in ("floor", ours)]
+    best = min(others, key=lambda k: statistics.median(ns[k]))
+    return {
+        "algorithm": algorithm, "layout": layout, "label": layout_label(count, size),
+        "tensors": count, "elements": count * size, "bytes_per_element": bytes_per_element,
+        "ns_per_param": {k: statistics.median(v) for k, v in ns.items()},
+        "ns_per_param_range": {k: [min(v), max(v)] for k, v in ns.items()},
+        "ns_per_param_samples": ns, "ours": ours, "best_other": best,
+        "floor_fraction": paired_ratio(ns["floor"], ns[ours]).as_dict(),
+        "speedup": paired_ratio(ns[best], ns[ours]).as_dict(),
+    }
+
+
+def _fig(row: dict, key: str) -> Figure:
+    return Figure.of(row["ns_per_param_samples"][key])
+
+
+def format_row(r: dict) -> str:
+    """One line of either table (see :data:`LEGEND`)."""
+    floor, ours, best = _fig(r, "floor"), _fig(r, r["ours"]), _fig(r, r["best_other"])
+    frac, speed = Figure.from_dict(r["floor_fraction"]), Figure.from_dict(r["speedup"])
+    name = r["best_other"].replace("torch ", "") if r["ours"] == "roundpipe" else ""
+    line = (f"{r['algorithm']:9s} {r['label']:>10s} {r['bytes_per_element']:4d} "
+            f"{floor.median:8.3f} {100 * floor.spread:3.0f}% {ours.median:8.3f} "
+            f"{100 * ours.spread:3.0f}% {r['bytes_per_element'] / ours.median:6.1f} "
+            f"{100 * frac.median:5.0f}% {name:>17s} {best.median:8.3f} {100 * best.spread:3.0f}% "
+            f"{speed.median:6.2f}x ({speed.low:.2f}-{speed.high:.2f})")
+    return line + ("  within noise" if speed.contains(1.0) else "")
+
+
+HEADER = (f"{'algorithm':9s} {'layout':>10s} {'B/el':>4s} {'floor ns':>8s} {'spr':>4s} "
+          f"{'ours ns':>8s} {'spr':>4s} {'GB/s':>6s} {'%floor':>6s} {'torch best':>17s} "
+          f"{'ns':>8s} {'spr':>4s} {'speed-up (range)':>18s}")
+MIXED_HEADER = HEADER.replace("ours ns", "fused ns").replace("torch best", "separate")
+
+LEGEND = """\
+Columns (ns = nanoseconds per parameter element per step, the median over the repeats):
+  layout      the tensors stepped, as they are after --scale: 50M = one tensor of 50M
+              elements, 200x250k = 200 tensors of 250k elements
+  B/el        bytes the step must move per element: reads of the parameter, the gradient and
+              each state array and writes of the parameter and each state array, 4 bytes each
+              in float32 (Adam: read p, g, m, v and write p, m, v: 7 x 4 = 28)
+  floor ns    a streaming kernel (roundpipe._C.stream_step) moving exactly B/el bytes per
+              element with one add, on the same threads and ISA: the memory-bandwidth floor
+  ours ns     roundpipe.optim.<algorithm>.step()
+  spr         (max - min) / median of the column before it, over the repeats
+  GB/s        B/el / ours ns: the memory bandwidth our step reaches
+  %floor      floor time / our time (100% = at the floor), median of the per-round ratios
+  torch best  the fastest (by median) of torch.optim.<algorithm> with foreach=False,
+              foreach=True and fused=True where torch has it
+  speed-up    torch best time / our time: median of the per-round ratios (min-max); "within
+              noise" when that range includes 1
+Mixed-precision table (bf16 gradient in, bf16 model copy out, one pass):
+  B/el        of the fused pass: the float32 step's bytes with a 2-byte gradient read and a
+              2-byte model copy written instead of a 4-byte gradient
+  floor ns    stream_step through the same fused pass; fused ns: CpuOptimizer.fused_step
+  separate    convert the gradient to float32 (2 + 4 bytes), step, copy the parameter to bf16
+              (4 + 2 bytes): B/el + 12 bytes; speed-up: separate time / fused time"""
+
+
+def matmul_interference(repeats: int) -> dict:
+    """A 512x512 matmul timed alone and right after a RoundPipe step (the pool's workers must
+    be asleep, not spinning, when a step returns): per-repeat medians of five of each."""
+    a, b = torch.rand(512, 512), torch.rand(512, 512)
+    opt = rpo.Adam(_params(16, 65536, torch.Generator().manual_seed(1)))
+
+    def pair() -> tuple[float, float]:
+        alone, after = [], []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            a @ b
+            alone.append(time.perf_counter() - t0)
+            opt.step()
+            t0 = time.perf_counter()
+            a @ b
+            after.append(time.perf_counter() - t0)
+        return statistics.median(alone), statistics.median(after)
+
+    pairs = [pair() for _ in range(repeats)]
+    return {"alone_ms": Figure.of([1e3 * p[0] for p in pairs]).as_dict(),
+            "after_step_ms": Figure.of([1e3 * p[1] for p in pairs]).as_dict(),
+            "after_over_alone": paired_ratio([p[1] for p in pairs], [p[0] for p in pairs]).as_dict()}
+
+
+def run_mixed(algorithms, layout: str, repeats: int, scale: float, log=print) -> list[dict]:
+    count, size = layout_shape(layout, scale)
     gen = torch.Generator().manual_seed(1)
     rows = []
     for name in algorithms:
         steps, fused_bytes, separate_bytes = _mixed_contenders(name, count, size, gen)
-        med = _median_times(steps, repeats)
-        ns = {k: 1e9 * v / (count * size) for k, v in med.items()}
-        row = dict(algorithm=name, layout=layout, elements=count * size,
-                   fused_bytes_per_element=fused_bytes, separate_bytes_per_element=separate_bytes,
-                   ns_per_param=ns)
+        row = _row(name, layout, count, size, fused_bytes,
+                   _measure(steps, repeats, count * size), "fused")
+        row.update(fused_bytes_per_element=fused_bytes, separate_bytes_per_element=separate_bytes)
         rows.append(row)
-        log(format_mixed_row(row))
+        log(format_row(row))
         del steps
     return rows
 
 
-MIXED_HEADER = (f"{'algorithm':9s} {'layout':9s} {'B/el':>4s} {'floor ns':>9s} {'fused ns':>8s} "
-                f"{'GB/s':>6s} {'%floor':>6s} {'sep B/el':>8s} {'sep ns':>7s} {'speed-up':>8s}")
-
-
-def format_mixed_row(r: dict) -> str:
-    ns = r["ns_per_param"]
-    b = r["fused_bytes_per_element"]
-    return (f"{r['algorithm']:9s} {r['layout']:9s} {b:4d} {ns['floor']:9.3f} {ns['fused']:8.3f} "
-            f"{b / ns['fused']:6.1f} {100 * ns['floor'] / ns['fused']:5.0f}% "
-            f"{r['separate_bytes_per_element']:8d} {ns['separate']:7.3f} "
-            f"{ns['separate'] / ns['fused']:7.2f}x")
+def thread_setup(threads: int) -> dict:
+    """The threads this benchmark runs with, as they are set (not as asked)."""
+    return {"torch_intra_op": torch.get_num_threads(), "roundpipe_pool": rpo.num_threads(),
+            "device_workers": 0, "cpus_available": available_cpus(), "isa": rpo.active_isa(),
+            "threads_arg": threads}
 
 
 def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print,
         mixed_layout: str | None = None) -> dict:
     rpo.set_num_threads(threads)
     torch.set_num_threads(threads)
+    setup = thread_setup(threads)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for layout in layouts:
-        count, size = LAYOUTS[layout]
-        count = max(1, round(count * scale)) if count > 1 else 1
-        size = max(1, round(size * scale)) if count == 1 else size
+        count, size = layout_shape(layout, scale)
         for name in algorithms:
             steps, n_states = _contenders(name, count, size, gen)
-            med = _median_times(steps, repeats)
-            elements = count * size
-            row = Row(name, layout, elements, 4 * (2 * n_states + 3),
-                      {k: 1e9 * v / elements for k, v in med.items()})
+            row = _row(name, layout, count, size, 4 * (2 * n_states + 3),
+                       _measure(steps, repeats, count * size), "roundpipe")
             rows.append(row)
             log(format_row(row))
             del steps
@@ -241,49 +290,49 @@ def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print
         log("mixed precision (bf16 gradient in, bf16 model copy out) vs convert + step + copy:")
         log(MIXED_HEADER)
         mixed = run_mixed(algorithms, mixed_layout, repeats, scale, log)
-    return {"threads": threads, "isa": rpo.active_isa(), "repeats": repeats, "scale": scale,
-            "rows": [dict(asdict(r), ours=r.ours, torch_best=r.torch_best) for r in rows],
-            "mixed": mixed, "matmul": matmul_interference(repeats)}
-
-
-HEADER = (f"{'algorithm':9s} {'layout':9s} {'B/el':>4s} {'floor ns':>9s} {'ours ns':>8s} "
-          f"{'GB/s':>6s} {'%floor':>6s} {'torch best':>20s} {'ns':>7s} {'speed-up':>8s}")
-
-
-def format_row(r: Row) -> str:
-    floor = r.ns_per_param["floor"]
-    best, best_ns = r.torch_best
-    return (f"{r.algorithm:9s} {r.layout:9s} {r.bytes_per_element:4d} {floor:9.3f} {r.ours:8.3f} "
-            f"{r.bytes_per_element / r.ours:6.1f} {100 * floor / r.ours:5.0f}% "
-            f"{best[6:]:>20s} {best_ns:7.3f} {best_ns / r.ours:7.2f}x")
+    return {"threads": setup, "isa": rpo.active_isa(), "repeats": repeats, "scale": scale,
+            "rows": rows, "mixed": mixed, "matmul": matmul_interference(repeats)}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m roundpipe.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="The pipeline benchmark (RoundPipe training with and "
-                                        "without overlap): python -m roundpipe.bench pipeline "
-                                        "--help")
+                                 epilog=LEGEND + "\n\nThe other benchmarks: python -m "
+                                        "roundpipe.bench pipeline --help (RoundPipe training "
+                                        "with and without overlap), python -m roundpipe.bench "
+                                        "overhead --help (the fixed cost of a call)")
     ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
-    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    ap.add_argument("--threads", type=positive_int, default=1, help="threads for ours and torch (default 1)")
-    ap.add_argument("--repeats", type=positive_int, default=7, help="timed rounds per contender (median)")
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
+                    help="parameter layouts by their full-size names (default: all three)")
+    ap.add_argument("--threads", type=positive_int, default=1,
+                    help="threads of our pool and torch's intra-op threads alike (default 1)")
+    ap.add_argument("--repeats", type=repeats_arg, default=7,
+                    help=f"interleaved rounds, at least {MIN_REPEATS} (default 7): every figure "
+                         "is the median over them, with the min-max range")
     ap.add_argument("--scale", type=positive_float, default=1.0,
                     help="multiply every layout's element count by this factor (e.g. 0.01 for a "
-                         "quick run)")
+                         "quick run); the table shows the real sizes")
     ap.add_argument("--mixed-layout", default="200x250k", choices=list(LAYOUTS) + ["none"],
                     help="layout of the mixed-precision table (default 200x250k; none: skip it)")
     ap.add_argument("--json", type=writable_path,
-                    help="also write the results as JSON to this file")
+                    help="also write the results (with every repeat's values) as JSON to this file")
     args = ap.parse_args(argv)
-    print(f"RoundPipe optimizer benchmark: ISA {rpo.active_isa()}, {args.threads} thread(s), "
-          f"median of {args.repeats}; ns per parameter; %floor = floor time / our time")
+    rpo.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    t = thread_setup(args.threads)
+    print(f"RoundPipe optimizer benchmark: ISA {t['isa']}; threads: roundpipe.optim pool "
+          f"{t['roundpipe_pool']}, torch intra-op {t['torch_intra_op']} (both --threads), no "
+          f"RoundPipe device workers; {t['cpus_available']} CPUs available; median of "
+          f"{args.repeats} interleaved repeats")
+    print(LEGEND)
     print(HEADER)
     result = run(args.algorithms, args.layouts, args.threads, args.repeats, args.scale,
                  mixed_layout=None if args.mixed_layout == "none" else args.mixed_layout)
     m = result["matmul"]
-    print(f"512x512 matmul: {m['alone_ms']:.3f} ms alone, {m['after_step_ms']:.3f} ms right "
-          f"after a RoundPipe step")
+    alone, after, ratio = (Figure.from_dict(m[k]) for k in ("alone_ms", "after_step_ms",
+                                                            "after_over_alone"))
+    print(f"512x512 matmul: {alone.text(3)} ms alone, {after.text(3)} ms right after a RoundPipe "
+          "step: " + compare(ratio, "the time alone"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -36,8 +36,10 @@ def save_pretrained(wrapper: Any, save_directory: str, dtype: Optional[torch.dty
       — host memory for it is needed — then rounded to ``dtype``), as a plain transformers
       checkpoint.
 
-    Waits for pending optimizer work (the state dict does). ``kwargs`` go to the underlying
-    ``save_pretrained`` (e.g. ``max_shard_size``).
+    Waits for pending optimizer work (the state dict does). With a ``process_group`` every rank
+    must call it (the consolidated state dict is a collective when the optimizer is sharded);
+    only the group's rank 0 writes. ``kwargs`` go to the underlying ``save_pretrained`` (e.g.
+    ``max_shard_size``).
 
     Raises:
         TypeError: ``dtype`` is not a floating dtype; ``merged=True`` for a model without PEFT.
@@ -50,6 +52,9 @@ def save_pretrained(wrapper: Any, save_directory: str, dtype: Optional[torch.dty
     hf = wrapper.hf_model
     dtype = dtype or hf.dtype
     state = wrapper.state_dict()
+    group = wrapper.process_group
+    if group is not None and torch.distributed.get_rank(group) != 0:
+        return
     if peft is not None and not merged:
         peft.save_pretrained(save_directory, state_dict=_cast(state, dtype), **kwargs)
         return

@@ -1,0 +1,149 @@
+"""Checkpoints of a RoundPipe and its optimizer with ``torch.distributed.checkpoint`` (DCP):
+each rank writes only what it owns (with ``shard_optimizer=True``, its rows of every
+optimizer copy and optimizer state tensor, described as ``DTensor`` shards), and a checkpoint
+saved at N ranks loads at M ranks, or in one process, and training continues identically.
+
+Layout of the saved state (keys are the model's parameter names, so nothing depends on the
+world size): ``model``: every trainable parameter at full precision (the optimizer copies),
+every buffer and frozen parameter; ``optimizer``: ``state`` (per parameter name, per state
+key) and ``param_groups`` (hyperparameters, parameters by name); ``extra``: whatever the
+caller adds (an LR scheduler's state, the step, a GradScaler's state).
+
+    roundpipe.save_checkpoint("ckpt", model, opt, extra={"step": step})
+    extra = roundpipe.load_checkpoint("ckpt", model, opt)   # any world size
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+
+def _names(model) -> dict[int, str]:
+    """Optimizer-copy index -> the parameter's (first) name."""
+    return dict(enumerate(model._copies.names))
+
+
+def _wrap(model, i: int, t: torch.Tensor, mesh) -> Any:
+    """``t`` (this rank's part of parameter ``i``'s tensor) as what DCP saves: a ``DTensor``
+    sharded by rows when the optimizer is sharded, else the tensor itself (replicated)."""
+    copies = model._copies
+    if mesh is None or copies.rows[i] is None or t.dim() == 0:
+        return t
+    from torch.distributed.tensor import DTensor, Shard
+
+    full = copies.model[i].shape
+    stride = torch.empty(full, device="meta").stride()
+    return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=full, stride=stride)
+
+
+def _mesh(model):
+    comm = model._comm
+    if comm is None or not comm.shard:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(comm.group, "cpu")
+
+
+def _state(model, optimizer, mesh, template_keys: Optional[dict] = None) -> dict:
+    copies = model._copies
+    names = _names(model)
+    sd: dict[str, Any] = {"model": {}}
+    index = {id(o): i for i, o in enumerate(copies.optim)}
+    for i, name in names.items():
+        sd["model"][name] = _wrap(model, i, copies.optim[i].data, mesh)
+    trainable = {id(p) for p in copies.model}
+    for name, t in model.module.state_dict(keep_vars=True).items():
+        if name not in sd["model"] and not (isinstance(t, torch.nn.Parameter) and id(t) in trainable):
+            sd["model"][name] = t.data
+    if optimizer is not None:
+        state, groups = {}, []
+        for g in optimizer.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry["params"] = [names[index[id(p)]] for p in g["params"]]
+            groups.append(entry)
+            for p in g["params"]:
+                i = index[id(p)]
+                keys = template_keys.get(names[i], {}) if template_keys is not None else None
+                st = optimizer.state.get(p, {})
+                if keys is not None:  # loading: every key of the checkpoint, created if missing
+                    for key, scalar in keys.items():
+                        if key not in st:
+                            st[key] = (torch.zeros((), dtype=torch.float32) if scalar
+                                       else torch.zeros_like(p.data))
+                    optimizer.state[p] = st
+                state[names[i]] = {k: (_wrap(model, i, v, mesh) if torch.is_tensor(v)
+                                       and v.shape == p.shape and v.dim() > 0 else v)
+                                   for k, v in st.items()}
+        sd["optimizer"] = {"state": state, "param_groups": _blob(groups)}
+    return sd
+
+
+def _blob(obj: Any) -> io.BytesIO:
+    """An object DCP stores as bytes (not flattened: its structure may differ at load)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def _unblob(buf: io.BytesIO) -> Any:
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def save_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer] = None,
+                    extra: Optional[dict] = None) -> None:
+    """Writes ``model`` (a RoundPipe), ``optimizer`` (over its optimizer copies) and ``extra``
+    to the folder ``path`` with DCP; with a process group every rank of it must call this (a
+    collective), each writing what it owns. Waits for pending optimizer work first."""
+    model.synchronize()
+    sd = _state(model, optimizer, _mesh(model))
+    sd["extra"] = _blob(dict(extra or {}))
+    group = model.process_group
+    dcp.save(sd, checkpoint_id=path, process_group=group) if group is not None \
+        else dcp.save(sd, checkpoint_id=path, no_dist=True)
+
+
+def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+    """Loads a checkpoint of :func:`save_checkpoint` (saved at any world size, sharded or
+    not) into ``model`` and ``optimizer`` as they are built now; returns its ``extra``. With
+    a process group every rank of it must call this. The model copies take the loaded
+    weights (rounded to the model dtype), the optimizer its state and hyperparameters.
+
+    Raises:
+        KeyError / RuntimeError (from DCP): the checkpoint does not hold this model's names.
+    """
+    model.synchronize()
+    meta = dcp.FileSystemReader(path).read_metadata()
+    keys: dict[str, dict[str, bool]] = {}
+    for fqn, m in meta.state_dict_metadata.items():
+        parts = fqn.split(".")
+        if parts[:2] == ["optimizer", "state"] and hasattr(m, "size"):
+            name, key = ".".join(parts[2:-1]), parts[-1]
+            keys.setdefault(name, {})[key] = len(m.size) == 0
+    sd = _state(model, optimizer, _mesh(model), keys)
+    sd["extra"] = io.BytesIO()
+    if optimizer is not None:
+        sd["optimizer"]["param_groups"] = io.BytesIO()
+    group = model.process_group
+    dcp.load(sd, checkpoint_id=path, process_group=group) if group is not None \
+        else dcp.load(sd, checkpoint_id=path, no_dist=True)
+    copies = model._copies  # the optimizer copies, buffers and state were loaded in place
+    for i in range(len(copies.model)):
+        copies.write_back(i)
+    if copies.comm is not None:
+        copies.comm.all_gather_rows([copies.model[i]
+                                     for i in copies.sharded(range(len(copies.model)))])
+    for i, p in enumerate(copies.model):
+        copies.synced[i] = copies.version(p)
+    if optimizer is not None:
+        for g, saved in zip(optimizer.param_groups, _unblob(sd["optimizer"]["param_groups"])):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+    return _unblob(sd["extra"])

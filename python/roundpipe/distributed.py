@@ -1,0 +1,375 @@
+"""Data parallelism over ``torch.distributed``: one RoundPipe per rank (a process driving its
+machine's or socket's devices), the gradients reduced across ranks on the optimizer side.
+
+- **Replicated** (``shard_optimizer=False``): every rank keeps every optimizer copy and its
+  state; each layer's gradient is all-reduced once it is final (at the step, layer by layer,
+  the next layer's reduction in flight while a layer is stepped; in exact mode per stage, while
+  the earlier stages' backward runs), then every rank applies the same update.
+- **Sharded** (``shard_optimizer=True``): every rank keeps the model copy whole, but the
+  optimizer copies, gradients and optimizer state of only its rows of each parameter (dim 0
+  split as ``torch.chunk`` splits it, so ``DTensor``'s ``Shard(0)`` describes it; 0-dim
+  parameters are replicated). Each stage's downloaded gradient is reduce-scattered as it
+  arrives (every rank receives its rows, summed), the rank steps its rows and writes them into
+  its model copy, and the model copy's rows are all-gathered to every rank before the layer is
+  uploaded again.
+
+Every collective is issued by the optimizer thread, in the same order on every rank (stages in
+descending order within a pass, then steps in call order), so ranks never wait on each other in
+different orders; every wait is bounded by the group's timeout. A rank that received no
+gradient for a parameter still takes part (with zeros, and a presence flag that keeps a
+parameter no rank trained without a gradient).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .stats import Stats
+
+REDUCTIONS = ("mean", "sum")
+PIECE = 1 << 20  # elements per rank in one collective
+
+
+def _chunk_rows(rows: int, n: int, r: int) -> tuple[int, int]:
+    """Rank ``r``'s rows ``[a, b)`` of ``rows`` split in ``n`` as ``torch.chunk`` splits them."""
+    k = -(-rows // n) if rows else 0
+    return min(r * k, rows), min((r + 1) * k, rows)
+
+
+class Comm:
+    """One rank's side of a RoundPipe process group.
+
+    Args:
+        group: the process group (``torch.distributed.group.WORLD`` or a subgroup this rank
+            belongs to).
+        reduction: ``"mean"`` (gradients averaged over the ranks, as DDP) or ``"sum"``.
+        shard: shard the optimizer copies and state by rows (see the module docstring).
+        stats: where communication seconds are counted (``comm_s``).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised, or this rank is not in ``group``.
+        ValueError: ``reduction`` is not one of :data:`REDUCTIONS`.
+    """
+
+    def __init__(self, group: Any, reduction: str, shard: bool, stats: Stats) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("RoundPipe: process_group was given but torch.distributed is not "
+                               "initialised (call torch.distributed.init_process_group first)")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"RoundPipe: grad_reduction must be one of {REDUCTIONS}, got "
+                             f"{reduction!r}")
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise RuntimeError("RoundPipe: this process is not a member of process_group")
+        self.user_group, self.rank, self.size = group, rank, dist.get_world_size(group)
+        self.mean, self.shard, self.stats = reduction == "mean", shard, stats
+        self.backend = dist.get_backend(group)
+        # the gradients are reduced on the host: through gloo (a gloo group over the same
+        # ranks when the given one is NCCL; every rank creates it here, in the same order)
+        self.group = group if self.backend == "gloo" else dist.new_group(
+            dist.get_process_group_ranks(group), backend="gloo")
+
+    # --- construction --------------------------------------------------------------------------
+
+    def check_and_broadcast(self, module: nn.Module) -> None:
+        """Every rank wraps the same architecture (names, shapes, dtypes compared; a clear
+        error otherwise) and starts from rank 0's parameters and buffers (as DDP)."""
+        desc = [(n, tuple(t.shape), str(t.dtype), t.requires_grad)
+                for n, t in list(module.named_parameters()) + list(module.named_buffers())]
+        digest = hashlib.sha256(repr(desc).encode()).hexdigest()
+        digests: list = [None] * self.size
+        dist.all_gather_object(digests, digest, group=self.group)
+        if len(set(digests)) != 1:
+            raise ValueError("RoundPipe: the ranks of process_group wrap different models "
+                             "(parameter or buffer names, shapes, dtypes or requires_grad "
+                             f"differ: digests {digests})")
+        src = dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, src, group=self.group)
+
+    def rows(self, shape: torch.Size) -> tuple[int, int]:
+        """This rank's rows ``[a, b)`` of a parameter of ``shape`` (all of a 0-dim one)."""
+        if not self.shard or len(shape) == 0:
+            return (0, shape[0] if len(shape) else 1)
+        return _chunk_rows(shape[0], self.size, self.rank)
+
+    def sharded(self, shape: torch.Size) -> bool:
+        return self.shard and len(shape) > 0
+
+    # --- collectives -----------------------------------------------------------------------------
+
+    def _timed(self, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.stats.add("comm_s", time.perf_counter() - start)
+
+    def present(self, flags: Sequence[bool]) -> list[bool]:
+        """Which of a fixed list of parameters received a gradient on any rank."""
+        if not flags:
+            return []
+        t = torch.tensor([1.0 if f else 0.0 for f in flags])
+        self._timed(dist.all_reduce, t, group=self.group)
+        return [v > 0 for v in t.tolist()]
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor]) -> list:
+        """Starts summing each tensor in place over the ranks; returns the works to wait for."""
+        return [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors]
+
+    def wait(self, works: list) -> None:
+        start = time.perf_counter()
+        for w in works:
+            w.wait()
+        self.stats.add("comm_s", time.perf_counter() - start)
+
+    def sum_scalar(self, x: float) -> float:
+        """``x`` summed over the ranks (float64; inf and NaN propagate)."""
+        t = torch.tensor([x], dtype=torch.float64)
+        self._timed(dist.all_reduce, t, group=self.group)
+        return float(t)
+
+    def reduce_scatter_rows(self, grads: Sequence[Optional[torch.Tensor]],
+                            shapes: Sequence[torch.Size], pool) -> list[torch.Tensor]:
+        """Sums full gradients (None: zeros) over the ranks and returns this rank's rows of
+        each, fp32 buffers of ``pool``. Each parameter goes in pieces of at most
+        :data:`PIECE` elements per rank: the pieces of every rank's rows packed side by side
+        into one reused buffer, then one collective, so no transient allocation (ours or the
+        transport's) is larger than a piece — large freed blocks would otherwise stay in
+        the C allocator's heap, measured at several bytes per parameter."""
+        out = []
+        for g, shape in zip(grads, shapes):
+            k, w = self._k_w(shape)
+            a, b = self.rows(shape)
+            seg = k * w
+            mine = pool.take((seg,), torch.float32)
+            flat = None if g is None else g.reshape(-1)
+            for lo in range(0, seg, PIECE):
+                q = min(PIECE, seg - lo)
+                send = pool.take((self.size * q,), torch.float32)
+                for r in range(self.size):
+                    start, stop = r * seg + lo, min(r * seg + lo + q, shape[0] * w)
+                    dst = send[r * q:(r + 1) * q]
+                    n = max(0, stop - start) if flat is not None else 0
+                    if n:
+                        dst[:n].copy_(flat[start:stop])
+                    if n < q:
+                        dst[n:].zero_()
+                self._timed(dist.reduce_scatter_tensor, mine[lo:lo + q], send, group=self.group)
+                pool.give(send)
+            out.append(mine[:(b - a) * w].view(b - a, *shape[1:]))
+        return out
+
+    def all_gather_rows(self, params: Sequence[torch.Tensor]) -> None:
+        """Each rank's rows of each (model-copy) parameter, written by that rank, copied into
+        every rank's whole parameter, in pieces of at most :data:`PIECE` elements per rank
+        (see :meth:`reduce_scatter_rows`)."""
+        for p in params:
+            k, w = self._k_w(p.shape)
+            seg = k * w
+            flat = p.data.view(-1)
+            a = self.rows(p.shape)[0]
+            for lo in range(0, seg, PIECE):
+                q = min(PIECE, seg - lo)
+                mine = torch.zeros(q, dtype=p.dtype)
+                start, stop = a * w + lo, min(a * w + lo + q, self.rows(p.shape)[1] * w)
+                if stop > start:
+                    mine[:stop - start].copy_(flat[start:stop])
+                gathered = torch.empty(self.size * q, dtype=p.dtype)
+                self._timed(dist.all_gather_into_tensor, gathered, mine, group=self.group)
+                with torch.no_grad():
+                    for r in range(self.size):
+                        start, stop = r * seg + lo, min(r * seg + lo + q, p.shape[0] * w)
+                        if stop > start:
+                            flat[start:stop].copy_(gathered[r * q:r * q + stop - start])
+
+    def gather_rows(self, shard: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The whole tensor of ``shape`` from every rank's rows ``shard`` (for a consolidated
+        state dict)."""
+        full = torch.empty(shape, dtype=shard.dtype)
+        full.data[self.rows(shape)[0]:self.rows(shape)[1]].copy_(shard)
+        self.all_gather_rows([full])
+        return full
+
+    def segment(self, shapes: Sequence[torch.Size]) -> int:
+        """Elements of one rank's (padded) segment for ``shapes``."""
+        return sum(k * w for k, w in (self._k_w(s) for s in shapes))
+
+    def _k_w(self, shape: torch.Size) -> tuple[int, int]:
+        rows = shape[0]
+        width = math.prod(shape[1:])
+        return -(-rows // self.size) if rows else 0, width
+
+
+def global_num_items(labels: torch.Tensor, group: Any = None, ignore_index: int = -100) -> int:
+    """The number of target tokens of a causal-LM batch summed over the ranks of ``group``
+    (labels shifted by one as HF's loss does; ``ignore_index`` not counted): pass it as
+    ``num_items_in_batch`` with ``grad_reduction="sum"`` for the exact token mean of the global
+    batch (HF Trainer's ``num_items_in_batch`` across ranks).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+    """
+    count = torch.tensor([(labels[..., 1:] != ignore_index).sum().item()], dtype=torch.int64)
+    dist.all_reduce(count, group=group)
+    return int(count)
+
+
+class Reduction:
+    """What the optimizer side does with gradients, one process (no ranks): downloads are
+    accumulated as they come, steps use them as they are. :class:`ReplicatedReduction` and
+    :class:`ShardedReduction` override it for a process group. Runs on the optimizer thread.
+
+    Args:
+        copies: the :class:`roundpipe.param_copies.ParamCopies`.
+    """
+
+    divisor = 1.0  # gradients are divided by this (the number of ranks for a mean)
+
+    def __init__(self, copies) -> None:
+        self.copies = copies
+
+    def consume(self, stage: int, got: dict[int, torch.Tensor], norms: dict[int, float],
+                owned: bool, keep: set[int]) -> dict[int, torch.Tensor]:
+        """A stage visit's downloaded gradients ``got`` (index -> host tensor, with squared
+        norms ``norms``): those in ``keep`` that are the first since the step are returned to
+        be stepped from directly (exact mode), the others accumulated."""
+        direct = {}
+        for i, g in got.items():
+            if i in keep and self.copies.grads[i] is None:
+                direct[i] = g
+            else:
+                self.copies.accumulate(i, g, owned, norms.get(i))
+        return direct
+
+    def stage_always(self, stage: int) -> bool:
+        """Whether a stage visit without gradients is consumed anyway (collectives)."""
+        return False
+
+    def exact_ready(self, indices: list[int], grads: dict) -> dict:
+        """Exact mode: the gradients of the parameters final at a stage, made global."""
+        return grads
+
+    def layers_ready(self, grads: list, layers: list[list[int]], all_first: bool):
+        """Yields each layer index once its parameters' gradients in ``grads`` are global
+        (all layers first when ``all_first``: a verdict needs every norm)."""
+        yield from range(len(layers))
+
+    def norm_sq(self, norms: list[Optional[float]]) -> float:
+        """The global squared norm from the known per-parameter squared norms."""
+        return math.fsum(n for n in norms if n is not None)
+
+    def invalidates_norms(self) -> bool:
+        """Whether the squared norms measured before the reduction no longer hold."""
+        return False
+
+    def written(self, indices: list[int]) -> None:
+        """Model copies ``indices`` were written from their optimizer copies."""
+
+
+class ReplicatedReduction(Reduction):
+    """Every rank keeps everything; gradients are all-reduced at the step (per layer, the next
+    layer's reduction in flight while a layer is stepped), in exact mode per stage."""
+
+    def __init__(self, copies, comm: Comm) -> None:
+        super().__init__(copies)
+        self.comm = comm
+        self.divisor = float(comm.size) if comm.mean else 1.0
+
+    def invalidates_norms(self) -> bool:
+        return True
+
+    def _start(self, indices: list[int], grads) -> tuple:
+        """Starts all-reducing ``grads[i]`` (zeros where absent) and a presence flag each."""
+        flags = torch.tensor([0.0 if grads[i] is None else 1.0 for i in indices])
+        tensors = []
+        for i in indices:
+            g = grads[i]
+            if g is None:
+                g = grads[i] = self.copies.pool.take(self.copies.optim[i].shape,
+                                                     self.copies.optim[i].dtype).zero_()
+            tensors.append(g)
+        return self.comm.all_reduce(tensors + [flags]), flags
+
+    def _finish(self, indices: list[int], grads, started: tuple) -> None:
+        works, flags = started
+        self.comm.wait(works)
+        for i, present in zip(indices, flags.tolist()):
+            if not present:  # no rank trained it: no gradient, as in one process
+                self.copies.pool.give(grads[i])
+                grads[i] = None
+
+    def exact_ready(self, indices: list[int], grads: dict) -> dict:
+        self._finish(indices, grads, self._start(indices, grads))
+        return grads
+
+    def layers_ready(self, grads: list, layers: list[list[int]], all_first: bool):
+        started = {}
+        todo = [[i for i in ids] for ids in layers]
+        if all_first:
+            for li, ids in enumerate(todo):
+                started[li] = self._start(ids, grads)
+            for li, ids in enumerate(todo):
+                self._finish(ids, grads, started.pop(li))
+            yield from range(len(layers))
+            return
+        if todo:
+            started[0] = self._start(todo[0], grads)
+        for li, ids in enumerate(todo):
+            if li + 1 < len(todo):
+                started[li + 1] = self._start(todo[li + 1], grads)
+            self._finish(ids, grads, started.pop(li))
+            yield li
+
+
+class ShardedReduction(Reduction):
+    """Each rank keeps its rows of every parameter: a stage's downloads are reduce-scattered
+    as they arrive, steps update the rank's rows, the model copy's rows are all-gathered."""
+
+    def __init__(self, copies, comm: Comm) -> None:
+        super().__init__(copies)
+        self.comm = comm
+        self.divisor = float(comm.size) if comm.mean else 1.0
+
+    def stage_always(self, stage: int) -> bool:
+        return bool(self.copies.stage_params[stage])
+
+    def consume(self, stage, got, norms, owned, keep):
+        copies, comm = self.copies, self.comm
+        indices = copies.stage_params[stage]
+        rows = [i for i in indices if copies.rows[i] is not None]
+        whole = [i for i in indices if copies.rows[i] is None]
+        present = comm.present([i in got for i in indices])
+        shards = comm.reduce_scatter_rows([got.get(i) for i in rows],
+                                          [copies.model[i].shape for i in rows], copies.pool)
+        small = {i: got[i].float().clone() if i in got else torch.zeros(copies.model[i].shape)
+                 for i in whole}
+        comm.wait(comm.all_reduce(list(small.values())))
+        reduced = dict(zip(rows, shards)) | small
+        for i, ok in zip(indices, present):
+            if ok:  # ours (pool buffers or fresh): taken as the gradient without a copy
+                copies.accumulate(i, reduced[i], True)
+            else:
+                copies.pool.give(reduced[i])
+        if owned:
+            for g in got.values():
+                copies.pool.give(g)
+        return {}
+
+    def norm_sq(self, norms):
+        rows = math.fsum(n for i, n in enumerate(norms)
+                         if n is not None and self.copies.rows[i] is not None)
+        whole = math.fsum(n for i, n in enumerate(norms)
+                          if n is not None and self.copies.rows[i] is None)
+        return self.comm.sum_scalar(rows) + whole
+
+    def written(self, indices: list[int]) -> None:
+        self.comm.all_gather_rows([self.copies.model[i] for i in self.copies.sharded(indices)])

@@ -1,0 +1,152 @@
+"""One rank of the distributed tests (tests/test_distributed.py starts N of these, as torchrun
+would: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment).
+
+    python tests/distributed_ranks.py CASE OUTDIR [ARGS...]
+
+Cases: ``train`` (every mode, replicated and sharded, results saved per mode), ``save``
+(train, then a DCP checkpoint), ``resume`` (load a DCP checkpoint, train on), ``fail`` (rank 1
+raises in its loss_fn in the second step), ``memory`` (peak host bytes per parameter, sharded,
+exact mode).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import roundpipe
+import roundpipe.optim as rpo
+
+BATCH, STEPS, LR = 12, 5, 1e-2
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(),
+                         nn.Linear(48, 6))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 6, generator=g)
+
+
+def loss_fn_for(share_of_batch: int):
+    """Sum of squared errors over this part of the batch divided by the whole batch: with
+    grad_reduction="sum", the ranks' gradients add up to the whole batch's mean loss."""
+    return lambda out, target: ((out - target) ** 2).sum() / share_of_batch
+
+
+def train(model, opt, mode: str, steps: range, rank: int, world: int, scaler=None, clip=None):
+    kw = {} if clip is None else {"max_grad_norm": clip}
+    for step in steps:
+        x, y = batch(step)
+        xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
+        lf = loss_fn_for(BATCH)
+        if mode == "exact":
+            model.forward_backward(input_args=(xs,), label=ys, loss_fn=lf, optimizer=opt,
+                                   grad_scaler=scaler, **kw)
+        else:
+            model.forward_backward(input_args=(xs,), label=ys, loss_fn=lf, grad_scaler=scaler)
+            model.step(opt, is_async=mode == "async", grad_scaler=scaler, **kw)
+    model.synchronize()
+
+
+def wrap(shard: bool, seed_rank: int):
+    torch.manual_seed(1000 + seed_rank)  # every rank starts elsewhere: the broadcast fixes it
+    net = nn.Sequential(nn.Linear(8, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 6))
+    if seed_rank == 0:
+        net.load_state_dict(build().state_dict())
+    model = roundpipe.RoundPipe(net, process_group=dist.group.WORLD, shard_optimizer=shard,
+                                grad_reduction="sum", num_microbatch=2)
+    return model, rpo.AdamW(model.optim_parameters(), lr=LR, eps=1e-3)
+
+
+def memory_per_parameter(layers: int = 12, hidden: int = 1024) -> float:
+    """Peak RSS over the parameter count of a bf16 model, fp32 AdamW, sharded, exact mode,
+    CPU device, after a warm-up of what does not grow with the model."""
+    import resource
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def run(net, steps):
+        model = roundpipe.RoundPipe(net, optim_dtype=torch.float32, device="cpu",
+                                    num_microbatch=4, process_group=dist.group.WORLD,
+                                    shard_optimizer=True)
+        opt = rpo.AdamW(model.optim_parameters(), lr=1e-4)
+        x = torch.randn(4, net[0][0].in_features if isinstance(net[0], nn.Sequential)
+                        else net[0].in_features).bfloat16()
+        for _ in range(steps):
+            model.forward_backward(input_args=(x,), loss_fn=lambda o: o.float().square().mean(),
+                                   optimizer=opt)
+        model.synchronize()
+
+    torch.set_num_threads(1)
+    run(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16), 2)
+    base = rss()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 model ever exists
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                                        nn.Linear(4 * hidden, hidden)) for _ in range(layers)])
+    torch.set_default_dtype(torch.float32)
+    n = sum(p.numel() for p in net.parameters())
+    run(net, 3)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base) / n
+
+
+def main() -> None:
+    case, out = sys.argv[1], sys.argv[2]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    if case == "train":
+        for shard in (False, True):
+            for mode in sys.argv[3].split(","):
+                model, opt = wrap(shard, rank)
+                clip = 0.5 if mode.endswith("+clip") else None
+                scaler = roundpipe.GradScaler(init_scale=2.0**8) if clip else None
+                train(model, opt, mode.split("+")[0], range(STEPS), rank, world, scaler, clip)
+                sd = model.state_dict()  # collective: consolidated on every rank
+                counts = sum(s.numel() for st in opt.state.values() for s in st.values()
+                             if s.dim() > 0)
+                if rank == 0:
+                    torch.save(sd, f"{out}/{mode}-{int(shard)}.pt")
+                with open(f"{out}/{mode}-{int(shard)}-counts-{rank}.json", "w") as f:
+                    json.dump({"state_elements": counts,
+                               "grad_norm": model.last_step_stats().grad_norm}, f)
+    elif case == "save":
+        model, opt = wrap(True, rank)
+        train(model, opt, "step", range(3), rank, world)
+        roundpipe.save_checkpoint(f"{out}/ckpt", model, opt, extra={"step": 3})
+    elif case == "resume":
+        model, opt = wrap(True, rank)
+        extra = roundpipe.load_checkpoint(f"{out}/ckpt", model, opt)
+        train(model, opt, "step", range(extra["step"], STEPS), rank, world)
+        sd = model.state_dict()
+        if rank == 0:
+            torch.save(sd, f"{out}/resumed-{world}.pt")
+    elif case == "memory":
+        print(memory_per_parameter(), flush=True)
+    elif case == "fail":
+        model, opt = wrap(False, rank)
+        train(model, opt, "step", range(1), rank, world)
+        x, y = batch(1)
+
+        def bad(out_, target):
+            if rank == 1:
+                raise RuntimeError("boom on rank 1")
+            return ((out_ - target) ** 2).sum()
+
+        model.forward_backward(input_args=(x,), label=y, loss_fn=bad)
+        model.step(opt)          # rank 0 waits for rank 1 in a collective: must not hang
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Data parallel RoundPipe over torch.distributed (gloo, CPU), 2 and 3 processes started as
+torchrun would (tests/distributed_ranks.py), each run bounded by a timeout:
+
+- N ranks each given 1/N of every batch end with the weights of plain PyTorch trained on the
+  whole batch (a reference written here), over 5 steps, for step(opt), is_async=True (against
+  the one-step-stale reference) and exact mode, replicated and sharded, with clipping and a
+  loss scaler too; sharded equals replicated;
+- sharded optimizer state: the per-rank element counts sum to the total and are balanced;
+- a DCP checkpoint saved at 2 ranks loads in 1 process and at 3 ranks, and training continues
+  as the uninterrupted run;
+- an exception on one rank makes every rank fail promptly instead of hanging.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import roundpipe
+import roundpipe.optim as rpo
+
+sys.path.insert(0, os.path.dirname(__file__))
+import distributed_ranks as dr  # noqa: E402
+
+RANKS = os.path.join(os.path.dirname(__file__), "distributed_ranks.py")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(case: str, world: int, out, *args: str, timeout: float = 300) -> list:
+    """Starts ``world`` ranks of ``case``; returns their (returncode, stderr), failing the
+    test if any is still running after ``timeout`` seconds (all are killed)."""
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_port()), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, RANKS, case, str(out), *args],
+                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((p.returncode, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{case}: ranks still running after {timeout} s (hang)")
+    return results
+
+
+def reference(mode: str, steps: int = dr.STEPS, clip: bool = False) -> dict:
+    """Plain PyTorch, one process, the whole batch, mean loss; ``async``: the gradient of step
+    t at the weights from before step t-1."""
+    net = dr.build()
+    opt = torch.optim.AdamW(net.parameters(), lr=dr.LR, eps=1e-3)
+    compute = copy.deepcopy(net)
+    for step in range(steps):
+        if mode != "async":
+            compute.load_state_dict(net.state_dict())
+        x, y = dr.batch(step)
+        for xm, ym in zip(torch.tensor_split(x, 2), torch.tensor_split(y, 2)):
+            dr.loss_fn_for(dr.BATCH)(compute(xm), ym).backward()
+        if mode == "async":
+            compute.load_state_dict(net.state_dict())   # W[t] for the next step's gradient
+        for p, c in zip(net.parameters(), compute.parameters()):
+            p.grad, c.grad = c.grad, None
+        if clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return net.state_dict()
+
+
+def _close(a: dict, b: dict, tol: float = 2e-6) -> None:
+    for k, v in b.items():
+        torch.testing.assert_close(a[k], v, rtol=tol, atol=tol, msg=k)
+
+
+@pytest.mark.parametrize("world,modes", [(2, "step,async,exact,step+clip,exact+clip"),
+                                         (3, "step,async,exact")])
+def test_ranks_on_slices_train_like_one_process_on_the_batch(tmp_path, world, modes):
+    for rc, err in launch("train", world, tmp_path, modes):
+        assert rc == 0, err[-3000:]
+    total = sum(p.numel() for p in dr.build().parameters()) * 2  # exp_avg, exp_avg_sq
+    for mode in modes.split(","):
+        ref = reference(mode.split("+")[0], clip=mode.endswith("+clip"))
+        replicated = torch.load(tmp_path / f"{mode}-0.pt")
+        sharded = torch.load(tmp_path / f"{mode}-1.pt")
+        _close(replicated, ref)
+        _close(sharded, ref)
+        _close(sharded, replicated, 1e-6)
+        reports = [[json.loads((tmp_path / f"{mode}-{s}-counts-{r}.json").read_text())
+                    for r in range(world)] for s in (0, 1)]
+        assert all(r["state_elements"] == total for r in reports[0])   # replicated: all of it
+        counts = [r["state_elements"] for r in reports[1]]              # sharded: 1/N each
+        assert sum(counts) == total and max(counts) <= 1.05 * total / world, counts
+        if mode.endswith("+clip"):  # the same global norm on every rank
+            assert len({r["grad_norm"] for rs in reports for r in rs}) == 1
+
+
+def test_a_dcp_checkpoint_saved_at_2_ranks_continues_at_1_and_3(tmp_path):
+    for rc, err in launch("save", 2, tmp_path):
+        assert rc == 0, err[-3000:]
+    ref = reference("step")
+    # one process, no process group
+    torch.manual_seed(5)
+    model = roundpipe.RoundPipe(dr.build(), num_microbatch=2)
+    opt = rpo.AdamW(model.optim_parameters(), lr=dr.LR, eps=1e-3)
+    extra = roundpipe.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    assert extra == {"step": 3}
+    assert all(float(s["step"]) == 3 for s in opt.state.values())
+    dr.train(model, opt, "step", range(3, dr.STEPS), 0, 1)
+    _close(model.state_dict(), ref)
+    # three ranks
+    for rc, err in launch("resume", 3, tmp_path):
+        assert rc == 0, err[-3000:]
+    _close(torch.load(tmp_path / "resumed-3.pt"), ref)
+
+
+def test_host_bytes_per_parameter_per_rank_when_sharded(tmp_path):
+    """bf16 model copy (2 B) on every rank; optimizer copy, AdamW state and gradient (16 B)
+    split over the 2 ranks; exact mode, 12 layers, 100M parameters: <= 2 + 16 / 2 + 0.5."""
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    procs = [subprocess.Popen([sys.executable, RANKS, "memory", str(tmp_path)],
+                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    values = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        values.append(float(out.split()[-1]))
+    assert all(8 <= v <= 2 + 16 / 2 + 0.5 for v in values), values
+
+
+def test_an_exception_on_one_rank_fails_every_rank_without_a_hang(tmp_path):
+    start = time.monotonic()
+    (rc0, err0), (rc1, err1) = launch("fail", 2, tmp_path, timeout=120)
+    assert rc1 != 0 and "boom on rank 1" in err1
+    assert rc0 != 0, "rank 0 went on as if rank 1 had trained"
+    assert time.monotonic() - start < 120
