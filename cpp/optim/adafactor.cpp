@@ -49,7 +49,7 @@ struct Tensor {
   std::size_t batch = 0;
   double step = 0.0, eps1 = 0.0;
   std::vector<double> row_sum, col_sum;  // of g^2, per matrix row / column
-  std::vector<float> divisor;            // per matrix
+  std::vector<float> row_scale, col_scale;  // rsqrt(R / max(mean(R), eps1)), rsqrt(C)
   AdafactorCoeffs coeffs{};
   double p_sq = 0.0, u_sq = 0.0;
 };
@@ -235,6 +235,7 @@ void adafactor_step(const AdafactorOptions& o, const ParamBuffers* tensors, std:
     c.rows = t.rows;
     c.cols = t.cols;
     c.eps1_sq = static_cast<float>(s.eps1 * s.eps1);
+    c.inv_eps1 = static_cast<float>(1.0 / s.eps1);
     c.lerp_weight = lerp.weight;
     c.lerp_from_end = lerp.from_end;
     c.decays = o.weight_decay != 0.0;
@@ -300,17 +301,21 @@ void adafactor_step(const AdafactorOptions& o, const ParamBuffers* tensors, std:
                          s.coeffs.lerp_from_end);
       isa.adafactor_lerp(col_var, col_mean.data(), col_mean.size(), s.coeffs.lerp_weight,
                          s.coeffs.lerp_from_end);
-      s.divisor.resize(s.batch);
+      s.row_scale.resize(s.batch * t.rows);
+      s.col_scale.resize(s.batch * t.cols);
       for (std::size_t b = 0; b < s.batch; ++b) {
         double sum = 0.0;
         for (std::size_t r = 0; r < t.rows; ++r) sum += row_var[b * t.rows + r];
         const float mean = static_cast<float>(sum / t.rows);
         const float eps1 = static_cast<float>(s.eps1);
-        s.divisor[b] = mean != mean || mean > eps1 ? mean : eps1;  // torch's clamp_(min=eps1)
+        const float divisor = mean != mean || mean > eps1 ? mean : eps1;  // clamp_(min=eps1)
+        for (std::size_t r = 0; r < t.rows; ++r)
+          s.row_scale[b * t.rows + r] = 1.0f / std::sqrt(row_var[b * t.rows + r] / divisor);
       }
-      s.coeffs.row_var = row_var;
-      s.coeffs.col_var = col_var;
-      s.coeffs.divisor = s.divisor.data();
+      for (std::size_t k = 0; k < s.col_scale.size(); ++k)
+        s.col_scale[k] = 1.0f / std::sqrt(col_var[k]);
+      s.coeffs.row_scale = s.row_scale.data();
+      s.coeffs.col_scale = s.col_scale.data();
     }
     for (std::size_t b = 0; b < t.numel; b += detail::kChunkElements) {
       chunks.push_back(i);

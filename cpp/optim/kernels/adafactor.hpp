@@ -7,9 +7,12 @@
 //   adafactor_variance  unfactored: variance = lerp(variance, g * g, w), returns sum of u^2
 //   adafactor_norm      factored: sum of u^2
 //   adafactor_kernel    the update: param = fmadd(u, -alpha / denom, param * decay)
-// with u = rsqrt(max(v, eps1^2)) * g (rsqrt as ATen's: 1 / sqrt) and, factored,
-// v = (R[row] * C[col]) / divisor[matrix] (torch's row_var @ col_var, divided by the clamped
-// mean of row_var), every operation in float32 as torch's.
+// with u = rsqrt(max(v, eps1^2)) * g (rsqrt as ATen's: 1 / sqrt); unfactored, v is the
+// variance. Factored, torch's v = (R[row] * C[col]) / divisor[matrix] (row_var @ col_var over the
+// clamped mean of row_var) gives rsqrt(max(v, eps1^2)) = min(rsqrt(R[row] / divisor) *
+// rsqrt(C[col]), 1 / eps1): the driver computes those two factors once per row and per column,
+// so the element-wise passes multiply instead of dividing twice and taking a square root per
+// element (equal to torch's up to float32 rounding: a few ulp).
 #pragma once
 #include <cstddef>
 
@@ -23,10 +26,11 @@ struct AdafactorCoeffs {
   GradCoeffs grad;            // maximize (no L2: the weight decay is decoupled)
   bool factored;              // rows * cols matrices (else a whole variance)
   std::size_t rows, cols;
-  const float* row_var;       // batch * rows, absolute (not sliced with the tensor)
-  const float* col_var;       // batch * cols
-  const float* divisor;       // per matrix: max(mean(row_var), eps1)
+  const float* row_scale;     // batch * rows: rsqrt(row_var / max(mean(row_var), eps1)),
+                              // absolute (not sliced with the tensor)
+  const float* col_scale;     // batch * cols: rsqrt(col_var)
   float eps1_sq;              // float(eps1 * eps1)
+  float inv_eps1;             // 1 / eps1: the largest factored rsqrt
   float lerp_weight;          // torch's lerp_ coefficient for 1 - beta2_t (check.hpp lerp_coeff)
   bool lerp_from_end;
   bool decays;                // weight_decay != 0
@@ -98,7 +102,7 @@ inline V adafactor_u(const detail::AdafactorCoeffs& c, V v, V g) {
 }
 
 // f(tag, i, u) for the elements [begin, end) of the slice t (element i is the tensor's element
-// c.first + i): u of the factored second moment.
+// c.first + i): u of the factored second moment, g * min(row_scale * col_scale, 1 / eps1).
 template <class F>
 inline void for_each_factored_u(const detail::AdafactorCoeffs& c, const ParamBuffers& t,
                                 std::size_t begin, std::size_t end, F&& f) {
@@ -108,15 +112,15 @@ inline void for_each_factored_u(const detail::AdafactorCoeffs& c, const ParamBuf
     const std::size_t at = c.first + i;
     const std::size_t b = at / matrix, r = at % matrix / c.cols, col = at % c.cols;
     const std::size_t stop = std::min(end, i + (c.cols - col));
-    const float row = c.row_var[b * c.rows + r];
-    const float divisor = c.divisor[b];
-    const float* cols = c.col_var + b * c.cols + col;  // cols[j - i]: column of element j
+    const float row = c.row_scale[b * c.rows + r];
+    const float* cols = c.col_scale + b * c.cols + col;  // cols[j - i]: column of element j
     const std::size_t seg = i;
     for_range(i, stop, [&](auto tag, std::size_t j) {
       using V = decltype(tag);
+      prefetch_streams<V>(j, t.grad);
       const V g = load_grad(c.grad, t, j, V::set1(0.0f));
-      const V v = V::set1(row) * V::load(cols + (j - seg)) / V::set1(divisor);
-      f(tag, j, adafactor_u(c, v, g));
+      const V scale = minimum(V::set1(row) * V::load(cols + (j - seg)), V::set1(c.inv_eps1));
+      f(tag, j, scale * g);
     });
     i = stop;
   }
@@ -151,6 +155,7 @@ inline void adafactor_kernel(detail::AdafactorCoeffs c, ParamBuffers t,
                              std::size_t begin, std::size_t end) {
   auto apply = [&](auto tag, std::size_t i, auto u) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.param);
     V p = V::load(t.param + i);
     if (c.decays) p = p * V::set1(c.decay);
     fmadd(u, V::set1(c.alpha), p).store(t.param + i);
