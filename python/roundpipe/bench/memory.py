@@ -10,8 +10,8 @@ one run. For each configuration (``CONFIGS``):
   (``fused_step``: float32 gradient in, bfloat16 model copy out; for bfloat16 master weights a
   bfloat16 gradient and no copy) on one 16M-element tensor (Adafactor: a 4000 x 4000 matrix),
   1 thread, against its byte floor: the bytes it must move over the bandwidth of the streaming
-  kernel (``stream_step``, 28 bytes per element) measured in the same run, median of
-  ``--repeats`` interleaved rounds;
+  kernel (``stream_step``, 28 bytes per element) measured in the same round: medians and
+  min-max ranges over ``--repeats`` interleaved rounds;
 - **convergence**: the demo's model (``examples/train_qwen3.py``, a small Qwen3 configuration)
   trained for the same steps with each configuration: final training loss (mean of the last 10%
   of steps) and validation loss, their difference from float32 AdamW; all loss curves in one
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import positive_int, writable_path
+from . import Figure, MIN_REPEATS, interleave, positive_int, repeats_arg, timed, writable_path
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,9 @@ def _step_runner(config: Config, n: int):
 
 
 def measure_speed(configs: list[Config], n: int, repeats: int) -> dict[str, dict]:
-    """ns per parameter of each configuration's step and its byte floor (same run)."""
+    """Per configuration: ns per parameter of its step and its percentage of the byte floor
+    (floor time over step time per round), medians with min-max ranges over interleaved
+    rounds; and the streaming kernel's bandwidth."""
     import roundpipe.optim as rpo
     from roundpipe import _C
 
@@ -162,20 +164,18 @@ def measure_speed(configs: list[Config], n: int, repeats: int) -> dict[str, dict
         _C.stream_step(floor_opts, [floor_t[0]], [floor_t[1]], [[floor_t[2]], [floor_t[3]]], [])
 
     runners = {"floor": floor, **{c.name: _step_runner(c, n) for c in configs}}
-    times: dict[str, list[float]] = {k: [] for k in runners}
-    for r in range(repeats):
-        order = list(runners)
-        order = order[r % len(order):] + order[: r % len(order)]
-        for k in order:
-            t0 = time.perf_counter()
-            runners[k]()
-            times[k].append(time.perf_counter() - t0)
-    ns = {k: 1e9 * statistics.median(v) / n for k, v in times.items()}
-    bandwidth = 28 / ns["floor"]  # bytes per ns
-    return {c.name: dict(ns=ns[c.name], bytes=c.step_bytes,
-                         floor_ns=c.step_bytes / bandwidth,
-                         pct_floor=100 * c.step_bytes / bandwidth / ns[c.name])
-            for c in configs} | {"stream GB/s": bandwidth}
+    ns = {k: [1e9 * t / n for t in v]
+          for k, v in interleave({k: timed(f) for k, f in runners.items()}, repeats).items()}
+    # the byte floor of a config: its bytes at the bandwidth the 28-byte stream reached
+    out: dict = {}
+    for c in configs:
+        floor_ns = [f * c.step_bytes / 28 for f in ns["floor"]]
+        out[c.name] = dict(bytes=c.step_bytes, ns=Figure.of(ns[c.name]).as_dict(),
+                           floor_ns=Figure.of(floor_ns).as_dict(),
+                           pct_floor=Figure.of([100 * f / x for f, x in
+                                                zip(floor_ns, ns[c.name])]).as_dict())
+    out["stream GB/s"] = Figure.of([28 / f for f in ns["floor"]]).as_dict()
+    return out
 
 
 def demo_script() -> pathlib.Path:
@@ -195,7 +195,7 @@ def run_convergence(config: Config, args, out: pathlib.Path) -> dict:
     cmd = [sys.executable, str(demo_script()), "--out", str(run_dir),
            "--hidden", str(args.conv_hidden), "--layers", str(args.conv_layers), "--heads", "4",
            "--kv-heads", "2", "--steps", str(args.conv_steps), "--batch", "8", "--seq", "64",
-           "--max-chars", "1000000", "--sample-tokens", "4", "--seed", "0",
+           "--max-chars", str(args.conv_chars), "--sample-tokens", "4", "--seed", "0",
            "--optimizer", config.optimizer, "--state-dtype", config.state_dtype,
            "--master-dtype", config.master_dtype, "--dtype", "float32"]
     if config.optimizer == "adafactor":
@@ -233,11 +233,18 @@ def main(argv=None) -> None:
                          "parameters)")
     ap.add_argument("--elements", type=positive_int, default=16_000_000,
                     help="elements of the timed step (default 16M)")
-    ap.add_argument("--repeats", type=positive_int, default=7, help="timed rounds (median)")
+    ap.add_argument("--repeats", type=repeats_arg, default=7,
+                    help=f"interleaved timed rounds, at least {MIN_REPEATS} (median)")
     ap.add_argument("--conv-steps", type=positive_int, default=120,
                     help="training steps of each convergence run (default 120)")
     ap.add_argument("--conv-hidden", type=positive_int, default=256)
     ap.add_argument("--conv-layers", type=positive_int, default=2)
+    ap.add_argument("--conv-chars", type=positive_int, default=1_000_000,
+                    help="characters of training text read by the convergence runs")
+    ap.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS],
+                    choices=[c.name for c in CONFIGS], metavar="NAME",
+                    help="configurations to run (default: all): " +
+                         ", ".join(repr(c.name) for c in CONFIGS))
     ap.add_argument("--adafactor-lr", type=float, default=1e-2,
                     help="Adafactor's lr (its cap on the relative step size; default torch's)")
     ap.add_argument("--skip-memory", action="store_true")
@@ -252,23 +259,24 @@ def main(argv=None) -> None:
     from .cpu import cpu_model
 
     print(f"RoundPipe memory ladder: {cpu_model()}, optimizer ISA {rpo.active_isa()}")
-    result: dict = {"configs": [c.__dict__ for c in CONFIGS]}
+    configs = [c for c in CONFIGS if c.name in args.configs]
+    result: dict = {"configs": [c.__dict__ for c in configs]}
     if not args.skip_memory:
         print(f"measuring host bytes per parameter (12 x {args.hidden} model, exact mode, CPU "
               "device)...", flush=True)
         result["memory"] = {c.name: (None if c.name in PENDING_MEMORY
-                                     else measure_memory(c, args.hidden)) for c in CONFIGS}
+                                     else measure_memory(c, args.hidden)) for c in configs}
     if not args.skip_speed:
         print(f"timing the steps ({args.elements:,} elements, 1 thread)...", flush=True)
-        result["speed"] = measure_speed(CONFIGS, args.elements, args.repeats)
+        result["speed"] = measure_speed(configs, args.elements, args.repeats)
     if not args.skip_convergence:
         args.out.mkdir(parents=True, exist_ok=True)
         result["convergence"] = {}
-        for c in CONFIGS:
+        for c in configs:
             print(f"training the demo's model with {c.name}...", flush=True)
             result["convergence"][c.name] = run_convergence(c, args, args.out)
         plot(result["convergence"], args.out / "memory_ladder.png")
-    print(format_table(result))
+    print(format_table(result, configs))
     if not args.skip_convergence:
         print(f"loss curves: {args.out / 'memory_ladder.png'}")
     if args.json:
@@ -280,7 +288,7 @@ def main(argv=None) -> None:
         print(f"wrote {args.json}")
 
 
-def format_table(result: dict) -> str:
+def format_table(result: dict, configs: list[Config]) -> str:
     """The ladder as a Markdown table (what the README shows)."""
     mem, speed = result.get("memory", {}), result.get("speed", {})
     conv = result.get("convergence", {})
@@ -288,15 +296,18 @@ def format_table(result: dict) -> str:
     lines = ["| configuration | floor B/param | measured B/param | step ns/param | step B/param "
              "| % of byte floor | train loss | val loss | vs fp32 AdamW (train / val) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for c in CONFIGS:
+    for c in configs:
         cells = [c.name, f"{c.floor:.2f}"]
         if c.name not in mem:
             cells.append("-")
         else:
             cells.append("pending (wrapper)" if mem[c.name] is None else f"{mem[c.name]:.2f}")
         s = speed.get(c.name)
-        cells += ([f"{s['ns']:.3f}", f"{s['bytes']:.1f}", f"{s['pct_floor']:.0f}%"] if s
-                  else ["-", "-", "-"])
+        if s:
+            ns, pct = Figure.from_dict(s["ns"]), Figure.from_dict(s["pct_floor"])
+            cells += [ns.text(3), f"{s['bytes']:.1f}", pct.text(0, "%")]
+        else:
+            cells += ["-", "-", "-"]
         k = conv.get(c.name)
         if k:
             train, val = k["final_loss_mean_last_10pct"], k["val_loss_after"]
@@ -308,5 +319,6 @@ def format_table(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if "stream GB/s" in speed:
         lines.append(f"\nstreaming kernel (the byte floor's bandwidth): "
-                     f"{speed['stream GB/s']:.1f} GB/s, 1 thread")
+                     f"{Figure.from_dict(speed['stream GB/s']).text(1)} GB/s, 1 thread; step "
+                     "figures: median (min-max) over interleaved rounds")
     return "\n".join(lines)
