@@ -115,9 +115,13 @@ inline void round_bf16(const float* x, std::size_t n, std::uint32_t key, std::ui
                        std::uint16_t* out, float* kept) {
   for_range(0, n, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
-    const V r = V::load(x + i).round_bf16_stochastic(
-        V::random_bits(key, first + static_cast<std::uint32_t>(i)), 0);
-    if (kept) r.store(kept + i);
+    const auto bits = V::random_bits(key, first + static_cast<std::uint32_t>(i));
+    if (!kept) {
+      V::load(x + i).store_bf16_stochastic(out + i, bits);
+      return;
+    }
+    const V r = V::load(x + i).round_bf16_stochastic(bits, 0);
+    r.store(kept + i);
     r.store_bf16(out + i);
   });
 }

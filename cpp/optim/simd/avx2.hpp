@@ -81,6 +81,13 @@ struct Vec {
                                        _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
     return {_mm256_blendv_ps(_mm256_castsi256_ps(u), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q))};
   }
+  void store_bf16_stochastic(std::uint16_t* p, Bits r) const {
+    const __m256i add = _mm256_and_si256(r.v, _mm256_set1_epi32(0xffff));
+    __m256i u = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v), add), 16);
+    u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc0),
+                           _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    store16(p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)), false);
+  }
   static Vec load_u8(const std::uint8_t* p) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))};

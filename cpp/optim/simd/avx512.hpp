@@ -80,6 +80,13 @@ struct Vec {
                                        _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
     return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(u), v)};
   }
+  // round_bf16_stochastic(r, 0) stored as bfloat16: the bits directly.
+  void store_bf16_stochastic(std::uint16_t* p, Bits r) const {
+    const __m512i add = _mm512_and_si512(r.v, _mm512_set1_epi32(0xffff));
+    __m512i u = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(v), add), 16);
+    u = _mm512_mask_mov_epi32(u, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    store16(p, _mm512_cvtepi32_epi16(u), false);
+  }
   static Vec load_u8(const std::uint8_t* p) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))};

@@ -64,6 +64,12 @@ struct Vec {
     const uint32x4_t u = vandq_u32(vaddq_u32(vreinterpretq_u32_f32(v), add), vdupq_n_u32(0xffff0000u));
     return {vbslq_f32(vceqq_f32(v, v), vreinterpretq_f32_u32(u), v)};
   }
+  void store_bf16_stochastic(std::uint16_t* p, Bits r) const {
+    const uint32x4_t add = vandq_u32(r.v, vdupq_n_u32(0xffff));
+    const uint16x4_t u = vshrn_n_u32(vaddq_u32(vreinterpretq_u32_f32(v), add), 16);
+    const uint16x4_t nan = vmovn_u32(vmvnq_u32(vceqq_f32(v, v)));
+    vst1_u16(p, vbsl_u16(nan, vdup_n_u16(0x7fc0), u));
+  }
   static Vec load_u8(const std::uint8_t* p) {
     std::uint32_t four;
     std::memcpy(&four, p, 4);

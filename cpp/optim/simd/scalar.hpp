@@ -49,6 +49,8 @@ struct Scalar {
   // expected result is the value itself. inf stays inf; NaN stays NaN; a value that rounds up
   // past the largest bfloat16 becomes inf.
   Scalar round_bf16_stochastic(Bits r, int shift) const;
+  // round_bf16_stochastic(r, 0) stored as bfloat16: the bits directly.
+  void store_bf16_stochastic(std::uint16_t* p, Bits r) const;
   // One byte <-> a float holding its value (0 .. 255; stored values must be such integers).
   static Scalar load_u8(const std::uint8_t* p) { return {static_cast<float>(*p)}; }
   void store_u8(std::uint8_t* p) const { *p = static_cast<std::uint8_t>(v); }
@@ -159,6 +161,10 @@ inline void Scalar::store_f16(std::uint16_t* p) const {
 
 inline Scalar::Bits Scalar::random_bits(std::uint32_t key, std::uint32_t first) {
   return hash32(first ^ key);
+}
+inline void Scalar::store_bf16_stochastic(std::uint16_t* p, Bits r) const {
+  *p = v != v ? static_cast<std::uint16_t>(0x7fc0u)
+              : static_cast<std::uint16_t>((float_bits(v) + (r & 0xffffu)) >> 16);
 }
 inline Scalar Scalar::round_bf16_stochastic(Bits r, int shift) const {
   if (v != v) return *this;
