@@ -75,8 +75,8 @@ import torch
 from torch import nn
 import roundpipe, roundpipe.optim as rpo
 
-optimizer, state_dtype, master, hidden = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-master = getattr(torch, master)
+optimizer, state_dtype, master, hidden, mode = sys.argv[1:6]
+master, hidden = getattr(torch, master), int(hidden)
 
 def make_opt(params):
     kw = dict(stochastic_rounding=master == torch.bfloat16, seed=0)
@@ -89,16 +89,21 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-def train(model, opt, x, steps):
+def train(model, opt, mode, x, steps):
     lf = lambda o: o.float().square().mean()
     for _ in range(steps):
-        model.forward_backward(input_args=(x,), loss_fn=lf, optimizer=opt)
+        if mode == "exact":
+            model.forward_backward(input_args=(x,), loss_fn=lf, optimizer=opt)
+        else:
+            model.forward_backward(input_args=(x,), loss_fn=lf)
+            model.step(opt, is_async=mode == "async")
     model.synchronize()
 
 # what does not grow with the model first (threads, OpenMP, oneDNN, allocator arenas)
 small = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
 warm = roundpipe.RoundPipe(small, optim_dtype=master, device="cpu", num_microbatch=4)
-train(warm, make_opt(warm.optim_parameters()), torch.randn(4, 64).bfloat16(), 2)
+for m in ("exact", "step", "async"):
+    train(warm, make_opt(warm.optim_parameters()), m, torch.randn(4, 64).bfloat16(), 2)
 del warm
 base = rss()
 torch.set_default_dtype(torch.bfloat16)   # built in bf16: no fp32 model ever exists
@@ -107,16 +112,20 @@ net = nn.Sequential(*[nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(),
 torch.set_default_dtype(torch.float32)
 n = sum(p.numel() for p in net.parameters())
 model = roundpipe.RoundPipe(net, optim_dtype=master, device="cpu", num_microbatch=4)
-train(model, make_opt(model.optim_parameters()), torch.randn(4, hidden).bfloat16(), 3)
+train(model, make_opt(model.optim_parameters()), mode, torch.randn(4, hidden).bfloat16(), 3)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print((peak - base) / n)
 """
 
 
-def measure_memory(config: Config, hidden: int) -> float:
-    """Host bytes per parameter of ``config`` (a fresh process: peak RSS after a warm-up)."""
+def measure_memory(config: Config, hidden: int, mode: str = "exact") -> float:
+    """Host bytes per parameter of ``config`` training a 12-layer model of width ``hidden``
+    (``12 * 8 * hidden**2`` parameters) on the CPU device for 3 steps in ``mode``: ``exact``
+    (``forward_backward(..., optimizer=opt)``), ``step`` (``step(opt)``) or ``async``
+    (``step(opt, is_async=True)``). A fresh process: its peak RSS after a warm-up of the fixed
+    costs (every mode on a tiny model), over the parameter count."""
     r = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, config.optimizer,
-                        config.state_dtype, config.master_dtype, str(hidden)],
+                        config.state_dtype, config.master_dtype, str(hidden), mode],
                        capture_output=True, text=True, timeout=1200)
     if r.returncode != 0:
         raise RuntimeError(f"memory run of {config.name!r} failed:\n{r.stderr[-2000:]}")
