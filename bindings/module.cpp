@@ -1,15 +1,12 @@
 // roundpipe._C: the nanobind face of the C++ optimizer library. Thin by design: it checks that
-// every tensor is what the kernels need (CPU, dense, C-contiguous, float32 — bfloat16 or float16
-// allowed for gradients and model copies —, matching element counts; each problem a TypeError/ValueError
-// naming the argument and index, raised before anything is touched), releases the GIL and calls
-// the C++ step.
-//
-// Tensors are read through their own attributes (dtype, is_cpu, layout, numel(), dim(),
-// is_contiguous(), is_neg(), data_ptr()) with the Python C API, not through DLPack: exporting a
-// DLPack capsule costs ~3.5 us per tensor, more than stepping a 1k-element tensor, while these
-// reads cost ~0.3 us. Nothing is converted: a float64 or strided tensor is refused, never
-// copied, because an update applied to a temporary copy would leave the caller's tensor
-// unchanged. The module is not built against torch; it imports torch on first use.
+// every tensor is what the kernels need (tensors.hpp: CPU, dense, C-contiguous, float32 —
+// bfloat16 or float16 allowed for gradients and model copies, bfloat16 for parameters with
+// stochastic rounding, bfloat16 or uint8 codes for compact state —, matching element counts;
+// each problem a TypeError/ValueError naming the argument and index, raised before anything is
+// touched), releases the GIL and calls the C++ step: over lists of tensors (`<algo>_step`) or
+// over a param group's cached StepPlan (`<algo>_step_plan`, step_plan.hpp). Also the compact
+// storage conversions and the ISA and thread controls. The module is not built against torch;
+// it imports torch on first use.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>

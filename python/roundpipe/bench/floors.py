@@ -36,12 +36,21 @@ def _pass(params: list, states: list[list[torch.Tensor]]) -> Callable[[], None]:
     return run
 
 
+def _twins(params: list) -> list:
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for t, p in zip(twins, params):
+        t.grad = p.grad.clone()
+    return twins
+
+
 def floor_step(params: list, n_states: int, passes: int = 1) -> tuple[Callable[[], None], int]:
     """The floor of a step over ``params`` (with gradients) keeping ``n_states`` float32 state
     arrays, in ``passes`` streaming passes: a callable doing one step, and the bytes per element
     it moves."""
     states = [[torch.zeros_like(p) for p in params] for _ in range(n_states)]
-    runs = [_pass(params, states) for _ in range(passes)]
+    # each pass over tensors of its own: a plan re-checks a parameter whose version counter
+    # another call bumped (as it must), which two plans over the same tensors would do each time
+    runs = [_pass(params if k == 0 else _twins(params), states) for k in range(passes)]
 
     def step() -> None:
         for run in runs:

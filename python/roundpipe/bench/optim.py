@@ -157,7 +157,10 @@ def layout_label(count: int, size: int) -> str:
 
 
 def _measure(steps: dict, repeats: int, elements: int) -> dict[str, list[float]]:
-    """ns per element of every step, per repeat, interleaved."""
+    """ns per element of every step, per repeat, interleaved, after one untimed step each (the
+    first step creates the state and, for ours, the param group's step plan)."""
+    for fn in steps.values():
+        fn()
     times = interleave({k: timed(fn) for k, fn in steps.items()}, repeats)
     return {k: [1e9 * t / elements for t in v] for k, v in times.items()}
 
