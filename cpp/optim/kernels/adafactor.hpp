@@ -48,43 +48,16 @@ struct AdafactorCoeffs {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-// A sum of float32 vectors and tail elements in double: float lanes over blocks of at most 256
-// vectors, each block's lanes added into a double, in a fixed order.
-struct DoubleSum {
-  Vec vec = Vec::set1(0.0f);
-  Scalar tail{0.0f};
-  std::size_t pending = 0;
-  double total = 0.0;
-
-  template <class V>
-  void add(V x) {
-    lane_acc<V>(vec, tail) = lane_acc<V>(vec, tail) + x;
-    if (std::is_same_v<V, Vec> && ++pending == 256) flush();
-  }
-  void flush() {
-    float lanes[Vec::width];
-    vec.store(lanes);
-    for (float l : lanes) total += l;
-    vec = Vec::set1(0.0f);
-    pending = 0;
-  }
-  double result() {
-    flush();
-    return total + tail.v;
-  }
-};
-
 // Sum over x[0, n) of x^2 (in double); with `acc`, acc[j] += x[j]^2 too.
 inline double adafactor_squares(const float* x, std::size_t n, float* acc) {
-  DoubleSum sum;
-  for_range(0, n, [&](auto tag, std::size_t i) {
+  return sum_range(0, n, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, x);
     const V v = V::load(x + i);
     const V sq = v * v;
     if (acc) (V::load(acc + i) + sq).store(acc + i);
-    sum.add(sq);
+    return sq;
   });
-  return sum.result();
 }
 
 // start[0, n) = lerp(start, end, w): torch's lerp_ with a scalar weight (for_range.hpp).
@@ -101,11 +74,13 @@ inline V adafactor_u(const detail::AdafactorCoeffs& c, V v, V g) {
   return V::set1(1.0f) / sqrt(maximum(v, V::set1(c.eps1_sq))) * g;
 }
 
-// f(tag, i, u) for the elements [begin, end) of the slice t (element i is the tensor's element
-// c.first + i): u of the factored second moment, g * min(row_scale * col_scale, 1 / eps1).
+// The elements [begin, end) of the slice t (element i is the tensor's element c.first + i) a
+// row segment at a time: f(i, stop, u) for each segment [i, stop), where u(tag, j) loads the
+// gradient at j and returns u of the factored second moment, g * min(row_scale * col_scale,
+// 1 / eps1).
 template <class F>
-inline void for_each_factored_u(const detail::AdafactorCoeffs& c, const ParamBuffers& t,
-                                std::size_t begin, std::size_t end, F&& f) {
+inline void for_each_row_segment(const detail::AdafactorCoeffs& c, const ParamBuffers& t,
+                                 std::size_t begin, std::size_t end, F&& f) {
   const std::size_t matrix = c.rows * c.cols;
   std::size_t i = begin;
   while (i < end) {
@@ -113,14 +88,12 @@ inline void for_each_factored_u(const detail::AdafactorCoeffs& c, const ParamBuf
     const std::size_t b = at / matrix, r = at % matrix / c.cols, col = at % c.cols;
     const std::size_t stop = std::min(end, i + (c.cols - col));
     const float row = c.row_scale[b * c.rows + r];
-    const float* cols = c.col_scale + b * c.cols + col;  // cols[j - i]: column of element j
-    const std::size_t seg = i;
-    for_range(i, stop, [&](auto tag, std::size_t j) {
+    const float* cols = c.col_scale + b * c.cols + col - i;  // cols[j]: column of element j
+    f(i, stop, [&](auto tag, std::size_t j) {
       using V = decltype(tag);
       prefetch_streams<V>(j, t.grad);
       const V g = load_grad(c.grad, t, j, V::set1(0.0f));
-      const V scale = minimum(V::set1(row) * V::load(cols + (j - seg)), V::set1(c.inv_eps1));
-      f(tag, j, scale * g);
+      return minimum(V::set1(row) * V::load(cols + j), V::set1(c.inv_eps1)) * g;
     });
     i = stop;
   }
@@ -130,24 +103,28 @@ inline void for_each_factored_u(const detail::AdafactorCoeffs& c, const ParamBuf
 inline double adafactor_variance(detail::AdafactorCoeffs c, ParamBuffers t,
                                  std::size_t begin, std::size_t end) {
   float* const variance = t.state[AdafactorState::variance];
-  DoubleSum sum;
-  for_range(begin, end, [&](auto tag, std::size_t i) {
+  return sum_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.grad, variance);
     const V g = load_grad(c.grad, t, i, V::set1(0.0f));
     const V v = torch_lerp(V::load(variance + i), g * g, c.lerp_weight, c.lerp_from_end);
     v.store(variance + i);
     const V u = adafactor_u(c, v, g);
-    sum.add(u * u);
+    return u * u;
   });
-  return sum.result();
 }
 
 // Factored: the sum of u^2.
 inline double adafactor_norm(detail::AdafactorCoeffs c, ParamBuffers t,
                              std::size_t begin, std::size_t end) {
-  DoubleSum sum;
-  for_each_factored_u(c, t, begin, end, [&](auto, std::size_t, auto u) { sum.add(u * u); });
-  return sum.result();
+  double total = 0.0;
+  for_each_row_segment(c, t, begin, end, [&](std::size_t i, std::size_t stop, auto u) {
+    total += sum_range(i, stop, [&](auto tag, std::size_t j) {
+      const auto x = u(tag, j);
+      return x * x;
+    });
+  });
+  return total;
 }
 
 // The update of param, from the variance (unfactored) or the factors.
@@ -161,7 +138,9 @@ inline void adafactor_kernel(detail::AdafactorCoeffs c, ParamBuffers t,
     fmadd(u, V::set1(c.alpha), p).store(t.param + i);
   };
   if (c.factored) {
-    for_each_factored_u(c, t, begin, end, apply);
+    for_each_row_segment(c, t, begin, end, [&](std::size_t i, std::size_t stop, auto u) {
+      for_range(i, stop, [&](auto tag, std::size_t j) { apply(tag, j, u(tag, j)); });
+    });
     return;
   }
   const float* const variance = t.state[AdafactorState::variance];
