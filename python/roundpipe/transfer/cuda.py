@@ -43,7 +43,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from .base import DeviceIO, GradDownload, nbytes
 
