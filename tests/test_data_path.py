@@ -96,9 +96,8 @@ def test_transfer_counters_equal_the_formulas(M, devices, dtype):
     # input gradients of stages 1..S-1 down, and up into stages 0..S-2
     assert s["d2h_input_grad_bytes"] == s["h2d_input_grad_bytes"] == batch * item * sum(width[1:])
     assert s["h2d_label_bytes"] == batch * 4 * 4
-    # one float64 loss per microbatch; a float64 squared norm per parameter tensor and visit
-    tensors = sum(len(list(layer.parameters())) for layer in net)
-    assert s["d2h_output_bytes"] == 8 * min(M, batch) + 8 * tensors
+    # one float64 loss per microbatch (no gradient norms: nothing clips or scales)
+    assert s["d2h_output_bytes"] == 8 * min(M, batch)
     assert s["h2d_buffer_bytes"] == s["d2h_buffer_bytes"] == 0
     assert S == 5
 

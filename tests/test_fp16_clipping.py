@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import copy
-import math
 import os
 import sys
 

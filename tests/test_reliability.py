@@ -21,7 +21,7 @@ from torch import nn
 
 import roundpipe
 import roundpipe.optim as rpo
-from roundpipe import OptimizerCtx, RoundPipe
+from roundpipe import RoundPipe
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_roundpipe import data, loss_fn, mlp, reference_forward_backward  # noqa: E402

@@ -233,6 +233,7 @@ class Reduction:
     """
 
     divisor = 1.0  # gradients are divided by this (the number of ranks for a mean)
+    device_norms = True  # the squared norms measured on the device hold for the step
 
     def __init__(self, copies) -> None:
         self.copies = copies
@@ -267,10 +268,6 @@ class Reduction:
         """The global squared norm from the known per-parameter squared norms."""
         return math.fsum(n for n in norms if n is not None)
 
-    def invalidates_norms(self) -> bool:
-        """Whether the squared norms measured before the reduction no longer hold."""
-        return False
-
     def written(self, indices: list[int]) -> None:
         """Model copies ``indices`` were written from their optimizer copies."""
 
@@ -279,13 +276,12 @@ class ReplicatedReduction(Reduction):
     """Every rank keeps everything; gradients are all-reduced at the step (per layer, the next
     layer's reduction in flight while a layer is stepped), in exact mode per stage."""
 
+    device_norms = False  # the step's norms are those of the reduced gradients
+
     def __init__(self, copies, comm: Comm) -> None:
         super().__init__(copies)
         self.comm = comm
         self.divisor = float(comm.size) if comm.mean else 1.0
-
-    def invalidates_norms(self) -> bool:
-        return True
 
     def _start(self, indices: list[int], grads) -> tuple:
         """Starts all-reducing ``grads[i]`` (zeros where absent) and a presence flag each."""
@@ -333,6 +329,8 @@ class ReplicatedReduction(Reduction):
 class ShardedReduction(Reduction):
     """Each rank keeps its rows of every parameter: a stage's downloads are reduce-scattered
     as they arrive, steps update the rank's rows, the model copy's rows are all-gathered."""
+
+    device_norms = False  # the step's norms are those of this rank's reduced rows
 
     def __init__(self, copies, comm: Comm) -> None:
         super().__init__(copies)

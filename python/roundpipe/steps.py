@@ -136,6 +136,7 @@ class Steps:
         self._hooked: "weakref.WeakSet" = weakref.WeakSet()
         self.report = StepReport()
         self._called = False                        # forward_backward since the last step
+        self._verdicts = False                      # a step with clipping or scaling ran
         self._scaler: Optional[GradScaler] = None   # of the calls since the last step
         self._scale: Optional[float] = None         # their loss scale
         self._next_scale: Optional[float] = None    # set by an asynchronous step
@@ -208,6 +209,15 @@ class Steps:
             self._scaler, self._scale = scaler, scale if scale is not None else scaler.get_scale()
         return self._scale
 
+    def want_norms(self, scaler: Optional[GradScaler], exact_deferred: bool) -> bool:
+        """Whether a call's downloads carry device-side squared norms: when its step will need
+        a verdict (a loss scaler, exact mode with clipping, or the last step had one: clipping
+        is given to the step only) and the norms survive the reduction across ranks."""
+        if not self.reduction.device_norms:
+            return False
+        scaling = scaler is not None and scaler.is_enabled()
+        return scaling or exact_deferred or self._verdicts
+
     def _take_scale(self, scaler: Optional[GradScaler], where: str) -> float:
         """The loss scale of the gradients a step applies; the next step starts afresh."""
         if scaler is not None and not isinstance(scaler, GradScaler):
@@ -252,7 +262,8 @@ class Steps:
             if download is not None:
                 io.host_wait(download.event)
                 got = dict(download.items)
-                norms = dict(zip(got, download.norms_sq.tolist()))
+                if download.norms_sq is not None:
+                    norms = dict(zip(got, download.norms_sq.tolist()))
             direct = self.reduction.consume(stage, got, norms, owned,
                                             set(final) if exact is not None else set())
             got = None
@@ -351,7 +362,7 @@ class Steps:
     def _step_job(self, plan: _Plan, release) -> Any:
         copies, reduction = self.copies, self.reduction
         grads, norms = copies.take_grads()
-        if reduction.invalidates_norms():
+        if not reduction.device_norms:
             norms = [None] * len(norms)
         try:
             if plan.behind:
@@ -395,6 +406,11 @@ class Steps:
                     copies.pool.give(g)
 
     def _decide(self, grads: list, norms: list, plan: _Plan) -> _Decision:
+        if plan.clip is not None or (plan.scaler is not None and plan.scaler.is_enabled()):
+            self._verdicts = True
+        return self._verdict_of(grads, norms, plan)
+
+    def _verdict_of(self, grads: list, norms: list, plan: _Plan) -> _Decision:
         """Overflow, the scaler's update and the clipping coefficient, from the squared norms
         gathered during the pass (a norm the pass could not give — a gradient summed over
         several calls or across ranks — is computed here, one read of that gradient)."""

@@ -506,8 +506,11 @@ class RoundPipe(nn.Module):
             if optimizer is not None and clip is None and scale == 1.0 and not (
                     grad_scaler is not None and grad_scaler.is_enabled()):
                 exact = self._steps.begin_exact(optimizer, self._copies.first_trainable_stage())
+            deferred = optimizer is not None and exact is None
             spec = PassSpec(mbs, True, loss_fn, label is not None, return_outputs,
-                            draw_call_seed(), AutocastState.capture(), loss_scale=scale)
+                            draw_call_seed(), AutocastState.capture(), loss_scale=scale,
+                            want_norms=self._steps.want_norms(grad_scaler, deferred and (
+                                clip is not None or scale != 1.0)))
             earlier = self._steps.pending()  # the step before this call, if still running
             try:
                 run = self._run_pass(spec, self._steps.grad_sink(exact))

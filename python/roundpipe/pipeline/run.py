@@ -22,7 +22,6 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
 from torch import nn
 
 from ..plan import Stage

@@ -69,6 +69,8 @@ class PassSpec:
         store: data layers keep for their recomputation (see :mod:`roundpipe.recompute`).
         loss_scale: each microbatch's loss is multiplied by it (a float32, as torch's
             GradScaler) before its backward; the reported loss is not.
+        want_norms: compute each downloaded gradient's squared norm on the device (a step
+            with a loss scaler or clipping needs them).
     """
 
     microbatches: list
@@ -80,6 +82,7 @@ class PassSpec:
     autocast: AutocastState = field(default_factory=AutocastState.capture)
     store: dict = field(default_factory=dict)
     loss_scale: float = 1.0
+    want_norms: bool = False
 
 
 class _StageInput(torch.autograd.Function):
@@ -219,5 +222,5 @@ class StageVisit:
         if not backward or self.is_last:
             self.io.write_back_buffers(self.weights)
         if backward:
-            return self.io.download_grads(self.weights, abort)
+            return self.io.download_grads(self.weights, abort, self.spec.want_norms)
         return None

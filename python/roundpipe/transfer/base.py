@@ -71,7 +71,7 @@ class GradDownload(NamedTuple):
             call had one microbatch.
         norms_sq: float64 host vector, the squared L2 norm of each gradient, computed on the
             device before the download (for clipping and overflow checks without reading
-            the gradients again on the host).
+            the gradients again on the host); None when not asked for.
         event: ready once the copies are done (``None``: already done); wait for it with the
             device's ``host_wait``.
         owned: the host tensors are fresh and may be kept (else they are staging memory and
@@ -80,7 +80,7 @@ class GradDownload(NamedTuple):
     """
 
     items: list[tuple[int, torch.Tensor]]
-    norms_sq: torch.Tensor
+    norms_sq: Optional[torch.Tensor]
     event: Any
     owned: bool
     release: Callable[[], None]
@@ -243,9 +243,10 @@ class DeviceIO:
         """An fp32 sum on the device starting at ``g``."""
         return g.float()
 
-    def download_grads(self, weights: StageWeights, abort) -> Optional[GradDownload]:
-        """Downloads the stage's gradient sums once, with their squared norms computed on the
-        device (waiting while :attr:`grad_downloads_in_flight` earlier downloads of this device
+    def download_grads(self, weights: StageWeights, abort,
+                       want_norms: bool = True) -> Optional[GradDownload]:
+        """Downloads the stage's gradient sums once, with (``want_norms``) their squared norms
+        computed on the device (waiting while :attr:`grad_downloads_in_flight` earlier downloads of this device
         are not consumed); ``None`` when no parameter got a gradient."""
         sources = []
         for i, t in weights.trainable:
@@ -257,13 +258,16 @@ class DeviceIO:
                 sources.append((i, g))
         if not sources:
             return None
-        norms_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
-                                for _, g in sources]).square_()
+        norms_sq = None
+        if want_norms:
+            norms_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
+                                    for _, g in sources]).square_()
         self._grad_permits.acquire(abort)
         try:
             for _, g in sources:
                 self.stats.moved("d2h", "param_grad", nbytes(g))
-            self.stats.moved("d2h", "output", nbytes(norms_sq))
+            if norms_sq is not None:
+                self.stats.moved("d2h", "output", nbytes(norms_sq))
             return self._download_grads(sources, norms_sq)
         except BaseException:
             self._grad_permits.release()

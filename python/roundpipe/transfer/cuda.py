@@ -43,7 +43,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from .base import DeviceIO, GradDownload, nbytes
 
@@ -359,7 +358,7 @@ class CudaIO(DeviceIO):
     def _download_grads(self, sources, norms_sq) -> GradDownload:
         slot = self._take_slot()
         self._begin_download()
-        norms_host = self._copy_to_host(norms_sq)
+        norms_host = None if norms_sq is None else self._copy_to_host(norms_sq)
         items, offset = [], slot
         for i, g in sources:
             view = self._ring.view(offset, g)
