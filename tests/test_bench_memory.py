@@ -19,11 +19,11 @@ def test_memory_ladder_runs_and_writes_table_json_and_plot(tmp_path):
         capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| configuration | floor B/param | measured B/param |" in r.stdout
-    assert "pending (wrapper)" in r.stdout     # bf16 master weights: one copy not built yet
     result = json.loads(out.read_text())
     assert set(result["memory"]) == {"fp32 AdamW", "int8 state", "bf16 master + int8 state"}
-    assert result["memory"]["bf16 master + int8 state"] is None
-    assert 14 <= result["memory"]["fp32 AdamW"] and 8 <= result["memory"]["int8 state"]
+    memory = result["memory"]
+    assert 14 <= memory["fp32 AdamW"] and 8 <= memory["int8 state"]
+    assert 4 <= memory["bf16 master + int8 state"] < memory["int8 state"]
     for name in ("fp32 AdamW", "int8 state", "bf16 master + int8 state"):
         s = result["speed"][name]
         assert s["ns"]["min"] <= s["ns"]["median"] <= s["ns"]["max"] and s["ns"]["min"] > 0

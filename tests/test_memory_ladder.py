@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from roundpipe.bench.memory import CONFIGS, PENDING_MEMORY, measure_memory
+from roundpipe.bench.memory import CONFIGS, measure_memory
 
 BOUNDS = {"fp32 AdamW": 15.5, "bf16 state": 11.5, "int8 state": 9.5, "Adafactor": 7.5,
           "bf16 master + int8 state": 5.5}
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c.name not in PENDING_MEMORY],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_host_bytes_per_parameter_between_floor_and_bound(config):
     per_param = measure_memory(config, 1024)
     assert config.floor <= per_param <= BOUNDS[config.name], per_param

@@ -17,10 +17,9 @@ one run. For each configuration (``CONFIGS``):
   of steps) and validation loss, their difference from float32 AdamW; all loss curves in one
   plot (``--out``/memory_ladder.png).
 
-"bf16 master + int8 state" keeps the bfloat16 model copy as the only copy of the weights, which
-needs ``RoundPipe(model_bf16, optim_dtype=torch.bfloat16)`` to step the model copy itself; until
-the wrapper does, its bytes/param row is marked pending (its step time and convergence are
-measured: the arithmetic is the same).
+"bf16 master + int8 state" keeps the bfloat16 model copy as the only copy of the weights
+(``RoundPipe(model_bf16, optim_dtype=torch.bfloat16)``: the optimizer steps the model copy
+itself, with stochastic rounding).
 
     python -m roundpipe.bench memory                       # everything (a few minutes, 2 cores)
     python -m roundpipe.bench memory --skip-convergence --hidden 512
@@ -65,9 +64,6 @@ CONFIGS = [
     # reads the gradient three times (roundpipe/adafactor.hpp)
     Config("Adafactor", "adafactor", "float32", "float32", 2 + 4, 8 + 12 + 4 + 2),
 ]
-# Rows whose memory figure waits for the wrapper: RoundPipe(optim_dtype=torch.bfloat16) keeping
-# the model copy as the optimizer's parameters (one copy). Remove the name once it does.
-PENDING_MEMORY = {"bf16 master + int8 state"}
 
 _MEMORY_SCRIPT = r"""
 import os, resource, sys
@@ -273,8 +269,7 @@ def main(argv=None) -> None:
     if not args.skip_memory:
         print(f"measuring host bytes per parameter (12 x {args.hidden} model, exact mode, CPU "
               "device)...", flush=True)
-        result["memory"] = {c.name: (None if c.name in PENDING_MEMORY
-                                     else measure_memory(c, args.hidden)) for c in configs}
+        result["memory"] = {c.name: measure_memory(c, args.hidden) for c in configs}
     if not args.skip_speed:
         print(f"timing the steps ({args.elements:,} elements, 1 thread)...", flush=True)
         result["speed"] = measure_speed(configs, args.elements, args.repeats)
@@ -307,10 +302,7 @@ def format_table(result: dict, configs: list[Config]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for c in configs:
         cells = [c.name, f"{c.floor:.2f}"]
-        if c.name not in mem:
-            cells.append("-")
-        else:
-            cells.append("pending (wrapper)" if mem[c.name] is None else f"{mem[c.name]:.2f}")
+        cells.append(f"{mem[c.name]:.2f}" if c.name in mem else "-")
         s = speed.get(c.name)
         if s:
             ns, pct = Figure.from_dict(s["ns"]), Figure.from_dict(s["pct_floor"])
