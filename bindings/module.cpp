@@ -1,23 +1,15 @@
 // roundpipe._C: the nanobind face of the C++ optimizer library. Thin by design: it checks that
-// every tensor is what the kernels need (CPU, dense, C-contiguous, float32 — bfloat16 or float16
-// allowed for gradients and model copies —, matching element counts; each problem a TypeError/ValueError
-// naming the argument and index, raised before anything is touched), releases the GIL and calls
-// the C++ step.
-//
-// Tensors are read through their own attributes (dtype, is_cpu, layout, numel(), dim(),
-// is_contiguous(), is_neg(), data_ptr()) with the Python C API, not through DLPack: exporting a
-// DLPack capsule costs ~3.5 us per tensor, more than stepping a 1k-element tensor, while these
-// reads cost ~0.3 us. Nothing is converted: a float64 or strided tensor is refused, never
-// copied, because an update applied to a temporary copy would leave the caller's tensor
-// unchanged. The module is not built against torch; it imports torch on first use.
+// every tensor is what the kernels need (tensors.hpp: CPU, dense, C-contiguous, float32 —
+// bfloat16 or float16 allowed for gradients and model copies, bfloat16 for parameters with
+// stochastic rounding, bfloat16 or uint8 codes for compact state —, matching element counts;
+// each problem a TypeError/ValueError naming the argument and index, raised before anything is
+// touched), releases the GIL and calls the C++ step: over lists of tensors (`<algo>_step`) or
+// over a param group's cached StepPlan (`<algo>_step_plan`, step_plan.hpp). Also the compact
+// storage conversions and the ISA and thread controls. The module is not built against torch;
+// it imports torch on first use.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
-#if defined(__GLIBCXX__)
-#include <cxxabi.h>
-#endif
-
-#include <unistd.h>
 
 #include <cstdint>
 #include <optional>
@@ -25,178 +17,13 @@
 #include <vector>
 
 #include "roundpipe/optim.hpp"
+#include "step_plan.hpp"
+#include "tensors.hpp"
 
 namespace nb = nanobind;
+using namespace rpbind;
 
 namespace {
-
-// torch's types and the attribute names read per tensor, looked up once (and kept for the
-// life of the process: they must outlive any call).
-struct Torch {
-  PyObject* tensor_type;
-  PyObject *float32, *bfloat16, *float16, *strided;
-  PyObject *dtype, *is_cpu, *layout, *numel, *dim, *is_contiguous, *is_neg, *data_ptr, *device;
-};
-
-const Torch& torch_api() {
-  static const Torch* api = [] {
-    nb::module_ torch = nb::module_::import_("torch");
-    auto keep = [](nb::object o) { return o.release().ptr(); };
-    auto name = [](const char* n) { return PyUnicode_InternFromString(n); };
-    return new Torch{keep(torch.attr("Tensor")), keep(torch.attr("float32")),
-                     keep(torch.attr("bfloat16")), keep(torch.attr("float16")),
-                     keep(torch.attr("strided")), name("dtype"), name("is_cpu"), name("layout"),
-                     name("numel"), name("dim"), name("is_contiguous"), name("is_neg"), name("data_ptr"),
-                     name("device")};
-  }();
-  return *api;
-}
-
-std::string where(const char* fn, const char* arg, std::size_t i) {
-  return std::string(fn) + ": " + arg + "[" + std::to_string(i) + "]";
-}
-
-nb::object get(PyObject* obj, PyObject* name) {
-  PyObject* r = PyObject_GetAttr(obj, name);
-  if (!r) throw nb::python_error();
-  return nb::steal(r);
-}
-
-nb::object call(PyObject* obj, PyObject* name) {
-  PyObject* r = PyObject_CallMethodNoArgs(obj, name);
-  if (!r) throw nb::python_error();
-  return nb::steal(r);
-}
-
-std::string text(PyObject* obj) { return nb::cast<std::string>(nb::str(nb::handle(obj))); }
-
-// Which dtypes an argument accepts.
-enum class Accept { float32, any_float };
-
-// A checked tensor: its data, size and element type.
-struct Tensor {
-  void* data;
-  std::size_t numel;
-  long ndim;
-  roundpipe::Dtype dtype;
-};
-
-// Checks one tensor and returns its data. `like` (if given) is the parameter it belongs to,
-// whose number of elements and of dimensions it must have; `read_dim` reads the dimension count
-// of a tensor that will serve as `like`. The shape itself is not compared:
-// reading it costs more than all other checks together; torch checks a gradient's shape when it
-// is assigned to .grad, and roundpipe.optim checks loaded state against the parameters.
-Tensor checked(PyObject* t, const char* fn, const char* arg, std::size_t i, Accept accept,
-               const Tensor* like, bool read_dim = false) {
-  const Torch& T = torch_api();
-  if (!PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(T.tensor_type)))
-    throw nb::type_error((where(fn, arg, i) + " must be a torch.Tensor, got " +
-                          Py_TYPE(t)->tp_name).c_str());
-  nb::object dtype = get(t, T.dtype);
-  Tensor out{nullptr, 0, 0, roundpipe::Dtype::float32};
-  if (dtype.ptr() == T.float32) {
-  } else if (accept == Accept::any_float && dtype.ptr() == T.bfloat16) {
-    out.dtype = roundpipe::Dtype::bfloat16;
-  } else if (accept == Accept::any_float && dtype.ptr() == T.float16) {
-    out.dtype = roundpipe::Dtype::float16;
-  } else {
-    throw nb::type_error((where(fn, arg, i) + " must be " +
-                          (accept == Accept::float32 ? "float32" : "float32, bfloat16 or float16") +
-                          ", got " + text(dtype.ptr())).c_str());
-  }
-  if (get(t, T.is_cpu).ptr() != Py_True)
-    throw nb::type_error((where(fn, arg, i) + " must be a CPU tensor, got " +
-                          text(get(t, T.device).ptr())).c_str());
-  if (get(t, T.layout).ptr() != T.strided)
-    throw nb::type_error((where(fn, arg, i) + " must be a dense tensor, got " +
-                          text(get(t, T.layout).ptr())).c_str());
-  const Py_ssize_t numel = PyLong_AsSsize_t(call(t, T.numel).ptr());
-  if (numel < 0) throw nb::python_error();
-  out.numel = static_cast<std::size_t>(numel);
-  if (like || read_dim) {
-    out.ndim = PyLong_AsLong(call(t, T.dim).ptr());
-    if (out.ndim < 0) throw nb::python_error();
-  }
-  if (like && (out.numel != like->numel || out.ndim != like->ndim))
-    throw nb::value_error((where(fn, arg, i) + " must have the shape of params[" +
-                           std::to_string(i) + "] (" + std::to_string(like->numel) +
-                           " elements in " + std::to_string(like->ndim) + " dimensions), got " +
-                           std::to_string(out.numel) + " in " + std::to_string(out.ndim)).c_str());
-  if (numel > 1 && call(t, T.is_contiguous).ptr() != Py_True)
-    throw nb::value_error((where(fn, arg, i) + " must be contiguous").c_str());
-  if (call(t, T.is_neg).ptr() != Py_False)  // a lazily negated view: its memory holds -x
-    throw nb::value_error((where(fn, arg, i) + " is a negated view (is_neg()); pass "
-                           "t.resolve_neg()").c_str());
-  out.data = PyLong_AsVoidPtr(call(t, T.data_ptr).ptr());
-  if (PyErr_Occurred()) throw nb::python_error();
-  return out;
-}
-
-// A list argument: one entry per parameter (None marks a parameter without a gradient, which
-// the step skips; its entries in every other list must be None too).
-struct List {
-  nb::object seq;  // the fast sequence
-  const char* name;
-  std::size_t size() const { return static_cast<std::size_t>(PySequence_Fast_GET_SIZE(seq.ptr())); }
-  PyObject* operator[](std::size_t i) const { return PySequence_Fast_GET_ITEM(seq.ptr(), i); }
-};
-
-List as_list(nb::handle h, const char* fn, const char* name) {
-  if (!PyList_Check(h.ptr()) && !PyTuple_Check(h.ptr()))
-    throw nb::type_error((std::string(fn) + ": " + name + " must be a list, got " +
-                          Py_TYPE(h.ptr())->tp_name).c_str());
-  return List{nb::borrow(h), name};
-}
-
-void check_count(const char* fn, const List& l, std::size_t n) {
-  if (l.size() != n)
-    throw nb::value_error((std::string(fn) + ": " + l.name + " has " + std::to_string(l.size()) +
-                           " tensors, params has " + std::to_string(n)).c_str());
-}
-
-// The entry at i of a list whose entry must be present (params[i] is).
-PyObject* present(const List& l, const char* fn, std::size_t i) {
-  PyObject* t = l[i];
-  if (t == Py_None)
-    throw nb::value_error((where(fn, l.name, i) + " is None but params[" + std::to_string(i) +
-                           "] is not").c_str());
-  return t;
-}
-
-// Takes the GIL back after without_gil's call. When the interpreter is finalizing (a step ran in a
-// daemon thread while the main thread exited), CPython before 3.14 ends this thread with
-// pthread_exit, whose forced unwinding aborts the process ("terminate called without an active
-// exception") at the first noexcept frame (nanobind's gil_scoped_release destructor) or catch
-// (...) that does not rethrow (nanobind's dispatcher). The thread is parked instead, as CPython
-// 3.14 does itself: the step is done, it holds no lock, and the process exits normally.
-void take_gil(PyThreadState* state) {
-#if defined(__GLIBCXX__)
-  try {
-    PyEval_RestoreThread(state);
-  } catch (abi::__forced_unwind&) {
-    for (;;) pause();
-  }
-#else
-  PyEval_RestoreThread(state);
-#endif
-}
-
-// Runs fn() with the GIL released (the step's threads never need it).
-template <class Fn>
-void without_gil(Fn&& fn) {
-  PyThreadState* state = PyEval_SaveThread();
-  try {
-    fn();
-  } catch (...) {
-    take_gil(state);
-    throw;
-  }
-  take_gil(state);
-}
-
-template <class Options>
-using StepFn = void (*)(const Options&, const roundpipe::ParamBuffers*, std::size_t,
-                        roundpipe::StepIO*);
 
 // Binds `fn` as `name(options, params, grads, states, scalars, model_copies=None, io=None,
 // num_threads=0)`. `states` holds one list per state slot, in slot order; `scalars` one list per
@@ -214,7 +41,8 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
       name,
       [fn, name](const Options& options, nb::handle params_arg, nb::handle grads_arg,
                  nb::handle states_arg, nb::handle scalars_arg, nb::handle copies_arg,
-                 roundpipe::StepIO* io, int num_threads) {
+                 roundpipe::StepIO* io, int num_threads, nb::handle absmax_arg,
+                 nb::handle seeds_arg, bool bf16_params) {
         constexpr auto& state_names = State::state_names;
         constexpr auto& scalar_names = State::scalar_names;
         const roundpipe::ThreadCountScope threads(num_threads);
@@ -228,7 +56,7 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
                                  std::to_string(state_names.size()) + " state lists and " +
                                  std::to_string(scalar_names.size()) + " scalar lists").c_str());
         check_count(name, grads, n);
-        std::vector<List> states, scalars;
+        std::vector<List> states, scalars, absmax;
         for (std::size_t k = 0; k < states_outer.size(); ++k) {
           states.push_back(as_list(states_outer[k], name, state_names[k]));
           if (states.back().size() != 0) check_count(name, states.back(), n);
@@ -237,54 +65,56 @@ void def_step(nb::module_& m, const char* name, StepFn<Options> fn, const std::s
           scalars.push_back(as_list(scalars_outer[k], name, scalar_names[k]));
           if (scalars.back().size() != 0) check_count(name, scalars.back(), n);
         }
-        std::optional<List> copies;
+        if (!absmax_arg.is_none()) {
+          const List outer = as_list(absmax_arg, name, "absmax");
+          if (outer.size() > state_names.size())
+            throw nb::value_error((std::string(name) + ": expected at most " +
+                                   std::to_string(state_names.size()) + " absmax lists").c_str());
+          for (std::size_t k = 0; k < outer.size(); ++k) {
+            absmax.push_back(as_list(outer[k], name, state_names[k]));
+            if (absmax.back().size() != 0) check_count(name, absmax.back(), n);
+          }
+        }
+        std::optional<List> copies, seeds;
         if (!copies_arg.is_none()) {
           copies = as_list(copies_arg, name, "model_copies");
           check_count(name, *copies, n);
+        }
+        if (!seeds_arg.is_none()) {
+          seeds = as_list(seeds_arg, name, "rounding_seeds");
+          check_count(name, *seeds, n);
         }
         std::vector<roundpipe::ParamBuffers> tensors;
         tensors.reserve(n);
         for (std::size_t i = 0; i < n; ++i) {
           PyObject* p = params[i];
           if (p == Py_None) continue;
-          roundpipe::ParamBuffers t;
-          const Tensor param = checked(p, name, "params", i, Accept::float32, nullptr, true);
-          t.param = static_cast<float*>(param.data);
-          t.numel = param.numel;
-          const Tensor g = checked(present(grads, name, i), name, "grads", i, Accept::any_float,
-                                   &param);
-          if (g.dtype == roundpipe::Dtype::float32) {
-            t.grad = static_cast<const float*>(g.data);
-          } else {
-            t.grad16 = static_cast<const std::uint16_t*>(g.data);
-            t.grad16_dtype = g.dtype;
-          }
-          for (std::size_t k = 0; k < states.size(); ++k)
-            if (states[k].size() != 0)
-              t.state[k] = static_cast<float*>(
-                  checked(present(states[k], name, i), name, state_names[k], i, Accept::float32,
-                          &param).data);
-          for (std::size_t k = 0; k < scalars.size(); ++k) {
-            if (scalars[k].size() == 0) continue;
-            const Tensor s = checked(present(scalars[k], name, i), name, scalar_names[k], i,
-                                     Accept::float32, nullptr);
-            if (s.numel != 1)
-              throw nb::value_error((where(name, scalar_names[k], i) + " must hold one element").c_str());
-            t.scalar[k] = static_cast<float*>(s.data);
-          }
-          if (copies) {
-            const Tensor c = checked(present(*copies, name, i), name, "model_copies", i,
-                                     Accept::any_float, &param);
-            t.model_copy = c.data;
-            t.model_copy_dtype = c.dtype;
-          }
+          // slot k's tensor: nullptr where no list is passed; None only for a factored
+          // algorithm's slot that the tensor does not use
+          auto entry = [&](const List& l) -> PyObject* {
+            if (l.size() == 0) return nullptr;
+            return Factored<State>::value && l[i] == Py_None ? Py_None : present(l, name, i);
+          };
+          PyObject* slot[roundpipe::ParamBuffers::kMaxState] = {};
+          PyObject* scale[roundpipe::ParamBuffers::kMaxState] = {};
+          PyObject* scalar[roundpipe::ParamBuffers::kMaxScalar] = {};
+          for (std::size_t k = 0; k < states.size(); ++k) slot[k] = entry(states[k]);
+          for (std::size_t k = 0; k < absmax.size(); ++k)
+            scale[k] = absmax[k].size() != 0 ? absmax[k][i] : nullptr;
+          for (std::size_t k = 0; k < scalars.size(); ++k)
+            scalar[k] = scalars[k].size() != 0 ? present(scalars[k], name, i) : nullptr;
+          roundpipe::ParamBuffers t = check_param<State>(
+              name, i, p, present(grads, name, i), slot, scale, scalar,
+              copies ? present(*copies, name, i) : nullptr, bf16_params);
+          if (seeds) t.rounding_seed = nb::cast<std::uint64_t>(nb::handle((*seeds)[i]));
           tensors.push_back(t);
         }
         without_gil([&] { fn(options, tensors.data(), tensors.size(), io); });
       },
       nb::arg("options"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
       nb::arg("scalars"), nb::arg("model_copies") = nb::none(), nb::arg("io").none() = nb::none(),
-      nb::arg("num_threads") = 0, doc.c_str());
+      nb::arg("num_threads") = 0, nb::arg("absmax") = nb::none(),
+      nb::arg("rounding_seeds") = nb::none(), nb::arg("bf16_params") = false, doc.c_str());
 }
 
 template <class Names>
@@ -294,8 +124,38 @@ std::string join(const Names& names) {
   return out;
 }
 
+// Binds `fn` as `<name>_plan(options, plan, params, opt_state, active, num_threads,
+// bf16_params, rounds, seed, first_index, seed_mix) -> bool`: the step over a param group's
+// StepPlan (step_plan.hpp); false, with nothing modified, when the list-based step must run.
+template <class Options, class State>
+void def_plan_step(nb::module_& m, const char* name, StepFn<Options> fn) {
+  const std::string plan_name = std::string(name) + "_plan";
+  m.def(
+      plan_name.c_str(),
+      [fn, name](const Options& options, StepPlan& plan, nb::handle params, nb::handle opt_state,
+                 unsigned active, int num_threads, bool bf16_params, bool rounds,
+                 std::uint64_t seed, std::size_t first_index, std::uint64_t seed_mix) {
+        const roundpipe::ThreadCountScope threads(num_threads);
+        if (!plan.prepare<State>(name, params, opt_state, active, bf16_params, rounds, seed,
+                                 first_index, seed_mix))
+          return false;
+        std::vector<roundpipe::ParamBuffers>& tensors = plan.tensors();
+        without_gil([&] { fn(options, tensors.data(), tensors.size(), nullptr); });
+        plan.mark_updated();
+        return true;
+      },
+      nb::arg("options"), nb::arg("plan"), nb::arg("params"), nb::arg("opt_state"),
+      nb::arg("active"), nb::arg("num_threads"), nb::arg("bf16_params"), nb::arg("rounds"),
+      nb::arg("seed"), nb::arg("first_index"), nb::arg("seed_mix"),
+      (plan_name + "(options, plan, params, opt_state, active, num_threads, bf16_params, rounds,\n"
+       "seed, first_index, seed_mix) -> bool: roundpipe::" + name + " over a param group's\n"
+       "StepPlan: `params` the group's list, `opt_state` the optimizer's state dict, `active` a\n"
+       "bit per state slot the group uses. False (nothing modified) when the list-based " + name +
+       "\nmust run instead: state to create, a tensor it would refuse.").c_str());
+}
+
 // Binds roundpipe::<Name>Options as `<Name>Options` (every field read-write, named as in C++)
-// and roundpipe::<name>_step as `<name>_step` (def_step).
+// and roundpipe::<name>_step as `<name>_step` (def_step) and `<name>_step_plan`.
 template <class Options, class State>
 void def_algorithm(nb::module_& m, const char* options_name, const char* step_name,
                    const char* header, StepFn<Options> fn) {
@@ -307,12 +167,16 @@ void def_algorithm(nb::module_& m, const char* options_name, const char* step_na
   def_step<Options, State>(
       m, step_name, fn,
       std::string(step_name) + "(options, params, grads, [" + join(State::state_names) + "], [" +
-          join(State::scalar_names) + "], model_copies=None, io=None, num_threads=0):\n"
+          join(State::scalar_names) + "], model_copies=None, io=None, num_threads=0, absmax=None,\n"
+          "rounding_seeds=None, bf16_params=False):\n"
           "roundpipe::" + step_name + " (" + header + ") over lists of CPU tensors, one entry per\n"
-          "parameter: float32 params, float32/bfloat16/float16 grads, per-slot lists of float32\n"
-          "state tensors shaped like the params and of 0-dim float32 scalars (a slot the options\n"
-          "leave unused may be []). A None in params skips that position (None there in every\n"
-          "list).");
+          "parameter: float32 (or, with bf16_params, bfloat16: stochastic rounding) params,\nfloat32/bfloat16/float16 "
+          "grads, per-slot lists of state tensors shaped like the params (float32, bfloat16, or\n"
+          "uint8 int8 codes with their per-slot `absmax` float32 tensors of quant_blocks(numel)\n"
+          "values; roundpipe/compact.hpp) and of 0-dim float32 scalars (a slot the options leave\n"
+          "unused may be []), `rounding_seeds` one int per param (ParamBuffers::rounding_seed).\n"
+          "A None in params skips that position (None there in every list).");
+  def_plan_step<Options, State>(m, step_name, fn);
 }
 
 }  // namespace
@@ -322,6 +186,15 @@ NB_MODULE(_C, m) {
       "RoundPipe CPU optimizer kernels (float32, CPU, contiguous tensors; gradients may also be\n"
       "bfloat16/float16). Every <algo>_step also takes model_copies=None (tensors receiving the\n"
       "updated parameters as float32/bfloat16/float16), io=None (a StepIO) and num_threads=0.";
+
+  nb::class_<StepPlan>(
+      m, "StepPlan",
+      "StepPlan(state_keys, scalar_specs): a param group's tensors checked once for\n"
+      "<algo>_step_plan, re-checked at each step only where they can change (bindings/\n"
+      "step_plan.hpp). state_keys: the state key of each slot; scalar_specs: per 0-dim slot, a\n"
+      "state key or a tensor shared by every parameter.")
+      .def(nb::init<std::vector<std::string>, nb::tuple>(), nb::arg("state_keys"),
+           nb::arg("scalar_specs"));
 
   nb::class_<roundpipe::StepIO>(
       m, "StepIO",
@@ -340,6 +213,58 @@ NB_MODULE(_C, m) {
       m, #Name "Options", #name "_step", "roundpipe/" #name ".hpp", &roundpipe::name##_step);
   ROUNDPIPE_STEP_FUNCTIONS(ROUNDPIPE_BIND)
 #undef ROUNDPIPE_BIND
+
+  // compact storage (roundpipe/compact.hpp): whole-tensor conversions, for checkpoints
+  m.attr("QUANT_BLOCK") = roundpipe::kQuantBlock;
+  m.attr("INT8_MIN_NUMEL") = roundpipe::kInt8MinNumel;
+  m.def("dynamic_map", [](bool is_signed) {
+    const float* v = roundpipe::dynamic_map(is_signed);
+    return std::vector<float>(v, v + 256);
+  }, nb::arg("is_signed"), "The 256 values of the signed or unsigned 8-bit dynamic map, ascending.");
+  m.def("rounding_seed", &roundpipe::rounding_seed, nb::arg("seed"), nb::arg("index"),
+        "roundpipe::rounding_seed: the stream of tensor `index` of an optimizer seeded `seed`.");
+  m.def("quantize_blockwise", [](nb::handle src, bool is_signed, nb::handle codes, nb::handle absmax) {
+    constexpr const char* fn = "quantize_blockwise";
+    const Tensor x = checked(src.ptr(), fn, "src", 0, Accept::float32, nullptr, true);
+    const Tensor c = checked(codes.ptr(), fn, "codes", 0, Accept::state, &x);
+    const Tensor a = checked(absmax.ptr(), fn, "absmax", 0, Accept::float32, nullptr);
+    if (!c.codes) throw nb::type_error("quantize_blockwise: codes must be uint8");
+    if (a.numel != roundpipe::quant_blocks(x.numel))
+      throw nb::value_error("quantize_blockwise: absmax must hold quant_blocks(src.numel()) values");
+    without_gil([&] {
+      roundpipe::quantize_blockwise(static_cast<const float*>(x.data), x.numel, is_signed,
+                                    static_cast<std::uint8_t*>(c.data), static_cast<float*>(a.data));
+    });
+  }, nb::arg("src"), nb::arg("is_signed"), nb::arg("codes"), nb::arg("absmax"),
+     "roundpipe::quantize_blockwise: float32 `src` into uint8 `codes` (same element count) and\n"
+     "float32 `absmax` (one per block of QUANT_BLOCK elements).");
+  m.def("dequantize_blockwise", [](nb::handle codes, nb::handle absmax, bool is_signed, nb::handle dst) {
+    constexpr const char* fn = "dequantize_blockwise";
+    const Tensor x = checked(dst.ptr(), fn, "dst", 0, Accept::float32, nullptr, true);
+    const Tensor c = checked(codes.ptr(), fn, "codes", 0, Accept::state, &x);
+    const Tensor a = checked(absmax.ptr(), fn, "absmax", 0, Accept::float32, nullptr);
+    if (!c.codes) throw nb::type_error("dequantize_blockwise: codes must be uint8");
+    if (a.numel != roundpipe::quant_blocks(x.numel))
+      throw nb::value_error("dequantize_blockwise: absmax must hold quant_blocks(dst.numel()) values");
+    without_gil([&] {
+      roundpipe::dequantize_blockwise(static_cast<const std::uint8_t*>(c.data),
+                                      static_cast<const float*>(a.data), x.numel, is_signed,
+                                      static_cast<float*>(x.data));
+    });
+  }, nb::arg("codes"), nb::arg("absmax"), nb::arg("is_signed"), nb::arg("dst"),
+     "roundpipe::dequantize_blockwise: uint8 `codes` and float32 `absmax` into float32 `dst`.");
+  m.def("round_bf16_stochastic", [](nb::handle src, std::uint64_t seed, nb::handle dst) {
+    constexpr const char* fn = "round_bf16_stochastic";
+    const Tensor x = checked(src.ptr(), fn, "src", 0, Accept::float32, nullptr, true);
+    const Tensor d = checked(dst.ptr(), fn, "dst", 0, Accept::param, &x);
+    if (d.dtype != roundpipe::Dtype::bfloat16)
+      throw nb::type_error("round_bf16_stochastic: dst must be bfloat16");
+    without_gil([&] {
+      roundpipe::round_bf16_stochastic(static_cast<const float*>(x.data), x.numel, seed,
+                                       static_cast<std::uint16_t*>(d.data));
+    });
+  }, nb::arg("src"), nb::arg("seed"), nb::arg("dst"),
+     "roundpipe::round_bf16_stochastic: float32 `src` into bfloat16 `dst`, stream `seed`.");
 
   m.def("supported_isas", [] {
     std::vector<std::string> out;

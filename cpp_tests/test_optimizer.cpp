@@ -2,6 +2,7 @@
 // exact checkpoint/resume, option changes between steps, and argument errors.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
@@ -84,3 +85,123 @@ TEST(Optimizer, BadArgumentsThrow) {
 }
 
 }  // namespace
+
+// Compact storage in the owning optimizer: int8 state for a parameter of at least kInt8MinNumel
+// elements (float32 below), a bfloat16 parameter, the same bits as the stateless step given the
+// same buffers and rounding seed; a checkpoint resumes exactly; state_values reads any format;
+// set_state_format converts existing state.
+TEST(Optimizer, CompactStateAndBf16ParametersMatchTheStatelessStep) {
+  std::mt19937 rng(12);
+  const std::size_t n = roundpipe::kInt8MinNumel + 100;
+  const auto p0 = rptest::randn(n, rng), q0 = rptest::randn(17, rng);
+  roundpipe::AdamOptions o;
+  o.lr = 0.01;
+  // bfloat16 parameter p, float32 q
+  std::vector<std::uint16_t> p(n), ref_p(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint32_t u;
+    std::memcpy(&u, &p0[i], 4);
+    p[i] = ref_p[i] = static_cast<std::uint16_t>(u >> 16);
+  }
+  std::vector<float> q = q0, ref_q = q0, gp(n), gq(17);
+  std::vector<std::uint8_t> codes[2] = {std::vector<std::uint8_t>(n, 127), std::vector<std::uint8_t>(n, 0)};
+  std::vector<float> absmax[2] = {std::vector<float>(roundpipe::quant_blocks(n)),
+                                  std::vector<float>(roundpipe::quant_blocks(n))};
+  std::vector<float> qstate[2] = {std::vector<float>(17), std::vector<float>(17)};
+  float steps[2] = {0.0f, 0.0f};
+  auto opt = std::make_unique<roundpipe::Adam>(o);
+  opt->set_state_format(roundpipe::StateFormat::int8);
+  opt->set_seed(77);
+  opt->add_param({nullptr, p.data(), gp.data(), nullptr, n});
+  opt->add_param(q.data(), gq.data(), 17);
+  for (int s = 0; s < 6; ++s) {
+    const auto a = rptest::randn(n, rng), b = rptest::randn(17, rng);
+    std::copy(a.begin(), a.end(), gp.begin());  // the optimizer holds these arrays' pointers
+    std::copy(b.begin(), b.end(), gq.begin());
+    roundpipe::ParamBuffers t[2];
+    t[0].numel = n;
+    t[0].param_bf16 = ref_p.data();
+    t[0].grad = gp.data();
+    t[0].rounding_seed = roundpipe::rounding_seed(77, 0);
+    for (int k = 0; k < 2; ++k) {
+      t[0].state_format[k] = roundpipe::StateFormat::int8;
+      t[0].packed_state[k] = codes[k].data();
+      t[0].state_absmax[k] = absmax[k].data();
+      t[1].state[k] = qstate[k].data();
+    }
+    t[0].scalar[0] = &steps[0];
+    t[1].numel = 17;
+    t[1].param = ref_q.data();
+    t[1].grad = gq.data();
+    t[1].scalar[0] = &steps[1];
+    t[1].rounding_seed = roundpipe::rounding_seed(77, 1);
+    roundpipe::adam_step(o, t, 2);
+    opt->step();
+    if (s == 2) {  // checkpoint and resume in a fresh optimizer
+      const roundpipe::ParamState s0 = opt->state(0), s1 = opt->state(1);
+      EXPECT_EQ(s0.format[0], roundpipe::StateFormat::int8);
+      EXPECT_EQ(s1.format[0], roundpipe::StateFormat::float32);  // below kInt8MinNumel
+      opt = std::make_unique<roundpipe::Adam>(o);
+      opt->set_state_format(roundpipe::StateFormat::int8);
+      opt->set_seed(77);
+      opt->add_param({nullptr, p.data(), gp.data(), nullptr, n});
+      opt->add_param(q.data(), gq.data(), 17);
+      opt->load_state(0, s0);
+      opt->load_state(1, s1);
+    }
+  }
+  EXPECT_EQ(p, ref_p);
+  EXPECT_EQ(q, ref_q);
+  EXPECT_EQ(opt->state(0).codes[0], codes[0]);
+  EXPECT_EQ(opt->state(0).absmax[1], absmax[1]);
+  // every format reads back as float32; converting to float32 keeps those values
+  std::vector<float> m(n);
+  roundpipe::dequantize_blockwise(codes[0].data(), absmax[0].data(), n, true, m.data());
+  EXPECT_EQ(opt->state_values(0, 0), m);
+  opt->set_state_format(roundpipe::StateFormat::float32);
+  EXPECT_EQ(opt->state(0).format[0], roundpipe::StateFormat::float32);
+  EXPECT_EQ(opt->state(0).state[0], m);
+  opt->set_state_format(roundpipe::StateFormat::bfloat16);
+  EXPECT_EQ(opt->state(1).bf16[1].size(), 17u);
+  const std::vector<float> bf = opt->state_values(1, 1);
+  for (std::size_t i = 0; i < 17; ++i) EXPECT_NEAR(bf[i], qstate[1][i], 0.01 * qstate[1][i]);
+}
+
+TEST(Optimizer, CompactStateErrors) {
+  roundpipe::Asgd asgd;
+  EXPECT_THROW(asgd.set_state_format(roundpipe::StateFormat::int8), roundpipe::Error);
+  asgd.set_state_format(roundpipe::StateFormat::bfloat16);  // any algorithm
+  std::vector<float> p(4, 1.0f), g(4, 1.0f);
+  std::vector<std::uint16_t> g16(4);
+  roundpipe::Adam adam;
+  EXPECT_THROW(adam.add_param({p.data(), nullptr, g.data(), g16.data(), 4}), roundpipe::Error);
+  adam.add_param(p.data(), g.data(), 4);
+  roundpipe::ParamState s;
+  s.format[0] = s.format[1] = roundpipe::StateFormat::int8;
+  s.codes[0].assign(4, 0);
+  s.codes[1].assign(4, 0);
+  s.absmax[0].assign(2, 0.0f);  // one block expected
+  s.absmax[1].assign(1, 0.0f);
+  EXPECT_THROW(adam.load_state(0, s), roundpipe::Error);
+}
+
+// SGD keeps no step count: with a bfloat16 parameter each step still gets new rounding bits.
+TEST(Optimizer, SgdWithBf16ParametersDrawsNewBitsEveryStep) {
+  const std::size_t n = 4096;
+  std::vector<std::uint16_t> p(n, 0x3f80);
+  const std::vector<float> g(n, 1.0f);
+  roundpipe::SGDOptions o;
+  o.lr = 0x1p-7 / 16;
+  roundpipe::SGD opt(o);
+  opt.add_param({nullptr, p.data(), g.data(), nullptr, n});
+  for (int s = 0; s < 64; ++s) opt.step();
+  double mean = 0.0;
+  for (std::uint16_t h : p) {
+    const std::uint32_t u = std::uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    mean += f;
+  }
+  EXPECT_NEAR(mean / n, 1.0 - 64 * o.lr, 0.05 * 64 * o.lr);
+  EXPECT_EQ(opt.state(0).rounding_steps, 64u);
+}

@@ -7,7 +7,9 @@ first with the ``tokenizers`` library (a second or two). ``wrap_model_to_roundpi
 model into layers (embeddings + rotary + mask, one per decoder layer, final norm + chunked loss);
 the optimizer copies are fp32, stepped by ``roundpipe.optim.AdamW`` on the CPU; each layer is
 streamed to the compute device (the GPU when there is one, else the CPU) in microbatches, with
-recomputation.
+recomputation. ``--optimizer adafactor``, ``--state-dtype bfloat16|int8`` and ``--master-dtype
+bfloat16`` choose the host-memory saving options (roundpipe.optim.compact; the README's memory
+ladder compares their convergence with ``python -m roundpipe.bench memory``).
 
     python examples/train_qwen3.py                      # Python's standard library, from scratch
     python examples/train_qwen3.py --lora --model PATH  # LoRA fine-tuning of a local HF checkpoint
@@ -207,6 +209,15 @@ def parse_args():
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay)")
     ap.add_argument("--warmup", type=int, default=15, help="linear warm-up steps")
     ap.add_argument("--weight-decay", type=float, default=0.05)
+    ap.add_argument("--optimizer", choices=["adamw", "adafactor"], default="adamw",
+                    help="roundpipe.optim.AdamW, or roundpipe.optim.Adafactor (factored second "
+                         "moments, no first moment; --lr caps its relative step size)")
+    ap.add_argument("--state-dtype", choices=["float32", "bfloat16", "int8"], default="float32",
+                    help="how AdamW keeps its state: float32, bfloat16 (stochastic rounding) or "
+                         "8-bit blockwise")
+    ap.add_argument("--master-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="dtype of the optimizer copies (master weights); bfloat16 steps them "
+                         "with stochastic rounding")
     ap.add_argument("--clip", type=float, default=1.0,
                     help="clip gradients to this global L2 norm (inside the optimizer step)")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
@@ -237,6 +248,8 @@ def parse_args():
         ap.error("--hidden must be a multiple of --heads, and --heads of --kv-heads")
     if args.model is not None and not args.model.is_dir():
         ap.error(f"--model {args.model}: not a folder")
+    if args.optimizer == "adafactor" and args.state_dtype != "float32":
+        ap.error("--state-dtype applies to AdamW (Adafactor's factored state is small already)")
     if args.resume and not (args.out / "checkpoint" / "trainer_state.pt").exists():
         ap.error(f"--resume: no checkpoint in {args.out / 'checkpoint'}")
     return args
@@ -278,14 +291,21 @@ def main() -> None:
     net = build_model(args, len(tokenizer), tokenizer)
     if args.lora:
         net = add_lora(net, args.lora_r)
-    model = roundpipe.wrap_model_to_roundpipe(net.to(dtype), torch.float32, device=device,
+    master = getattr(torch, args.master_dtype)
+    model = roundpipe.wrap_model_to_roundpipe(net.to(dtype), master, device=device,
                                               num_microbatch=args.microbatches)
     named = list(model.optim_named_parameters())
     decay = [p for n, p in named if p.dim() >= 2]
     no_decay = [p for n, p in named if p.dim() < 2]
-    opt = roundpipe.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}],
-                                lr=args.lr, betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    compact = dict(stochastic_rounding=master == torch.bfloat16, seed=args.seed)
+    if args.optimizer == "adafactor":
+        opt = roundpipe.optim.Adafactor(groups, lr=args.lr, **compact)
+    else:
+        state_dtype = "int8" if args.state_dtype == "int8" else getattr(torch, args.state_dtype)
+        opt = roundpipe.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95),
+                                    state_dtype=state_dtype, **compact)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
     total = sum(p.numel() for p in model.parameters())
@@ -293,8 +313,9 @@ def main() -> None:
     print(f"{type(model.hf_model).__name__}: {total / 1e6:.1f}M parameters, {trained / 1e6:.2f}M "
           f"trained{' (LoRA)' if args.lora else ''}; "
           f"{model.hf_model.config.num_hidden_layers + 2} pipeline layers; "
-          f"{str(dtype).removeprefix('torch.')} model copy, float32 optimizer copies; "
-          f"optimizer ISA {roundpipe.optim.active_isa()}, {roundpipe.optim.num_threads()} threads")
+          f"{str(dtype).removeprefix('torch.')} model copy, {args.master_dtype} optimizer copies; "
+          f"{type(opt).__name__} ({args.state_dtype} state), optimizer ISA "
+          f"{roundpipe.optim.active_isa()}, {roundpipe.optim.num_threads()} threads")
 
     # fp16 needs dynamic loss scaling; clipping by the global norm happens inside the step
     scaler = roundpipe.GradScaler(enabled=dtype == torch.float16)
@@ -392,7 +413,7 @@ def main() -> None:
     ax.plot(history["step"], history["loss"], lw=1)
     ax.set(xlabel="step", ylabel="training loss (nats/token)",
            title=f"RoundPipe: {type(model.hf_model).__name__}, {total / 1e6:.1f}M params, "
-                 f"{str(dtype).removeprefix('torch.')} + fp32 AdamW")
+                 f"{str(dtype).removeprefix('torch.')} + {args.master_dtype} {type(opt).__name__}")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(args.out / "loss.png", dpi=120)

@@ -3,10 +3,11 @@ would: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment).
 
     python tests/distributed_ranks.py CASE OUTDIR [ARGS...]
 
-Cases: ``train`` (every mode, replicated and sharded, results saved per mode), ``save``
-(train, then a DCP checkpoint), ``resume`` (load a DCP checkpoint, train on), ``fail`` (rank 1
-raises in its loss_fn in the second step), ``memory`` (peak host bytes per parameter, sharded,
-exact mode).
+Cases: ``train`` (every mode — ``step``, ``async``, ``exact``, ``+clip`` with a loss scaler,
+``+one`` with one copy of the weights — replicated and sharded, results saved per mode),
+``save`` (train, then a DCP checkpoint), ``save_int8`` (the same with int8 optimizer state,
+sharded), ``resume`` (load a DCP checkpoint, train on), ``fail`` (rank 1 raises in its loss_fn
+in the second step), ``memory`` (peak host bytes per parameter, sharded, exact mode).
 """
 
 from __future__ import annotations
@@ -58,12 +59,15 @@ def train(model, opt, mode: str, steps: range, rank: int, world: int, scaler=Non
     model.synchronize()
 
 
-def wrap(shard: bool, seed_rank: int):
+def wrap(shard: bool, seed_rank: int, one_copy: bool = False):
+    """The model wrapped for this rank; ``one_copy``: optim_dtype is the model's (float32), so
+    the optimizer steps the model copy itself."""
     torch.manual_seed(1000 + seed_rank)  # every rank starts elsewhere: the broadcast fixes it
     net = nn.Sequential(nn.Linear(8, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 6))
     if seed_rank == 0:
         net.load_state_dict(build().state_dict())
-    model = roundpipe.RoundPipe(net, process_group=dist.group.WORLD, shard_optimizer=shard,
+    model = roundpipe.RoundPipe(net, torch.float32 if one_copy else None,
+                                process_group=dist.group.WORLD, shard_optimizer=shard,
                                 grad_reduction="sum", num_microbatch=2)
     return model, rpo.AdamW(model.optim_parameters(), lr=LR, eps=1e-3)
 
@@ -108,7 +112,7 @@ def main() -> None:
     if case == "train":
         for shard in (False, True):
             for mode in sys.argv[3].split(","):
-                model, opt = wrap(shard, rank)
+                model, opt = wrap(shard, rank, mode.endswith("+one"))
                 clip = 0.5 if mode.endswith("+clip") else None
                 scaler = roundpipe.GradScaler(init_scale=2.0**8) if clip else None
                 train(model, opt, mode.split("+")[0], range(STEPS), rank, world, scaler, clip)
@@ -131,6 +135,20 @@ def main() -> None:
         sd = model.state_dict()
         if rank == 0:
             torch.save(sd, f"{out}/resumed-{world}.pt")
+    elif case == "save_int8":  # sharded int8 AdamW state; each rank's rows as float32 too
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64))
+        model = roundpipe.RoundPipe(net, process_group=dist.group.WORLD, shard_optimizer=True,
+                                    num_microbatch=2)
+        opt = rpo.AdamW(model.optim_parameters(), lr=LR, state_dtype="int8")
+        for step in range(2):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step + 10 * rank))
+            model.forward_backward(input_args=(x,), loss_fn=lambda o: o.square().mean())
+            model.step(opt)
+        roundpipe.save_checkpoint(f"{out}/ckpt", model, opt)
+        torch.save({"rows": model._copies.rows,
+                    "state": opt.state_dict(state_dtype=torch.float32)["state"]},
+                   f"{out}/rows-{rank}.pt")
     elif case == "memory":
         print(memory_per_parameter(), flush=True)
     elif case == "fail":

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 import roundpipe.optim as rpo
+from conftest import SHAPES
 
 
 def grid(**axes) -> list[dict]:
@@ -34,6 +35,7 @@ class Case:
     # amplifies those roundings, with the reason written at the case; the strict bounds are
     # still checked against torch built the same way (test_scalar_isa_matches_torch_without_fma).
     scalar_isa_tolerance: Callable[[dict], dict] = lambda kwargs: {}
+    shapes: list = field(default_factory=lambda: list(SHAPES))  # of the compared parameters
 
     def __str__(self) -> str:
         return self.name
@@ -99,6 +101,23 @@ CASES = [
 ]
 
 CASES += [
+    Case(
+        "Adafactor", rpo.Adafactor, torch.optim.Adafactor,
+        # eps1 1e-3 and d 1.5 with lr 0.5 make the floors and the clipping act; beta2_decay
+        # -0.5 a slower-decaying second moment; a 3-D tensor is a batch of factored matrices.
+        sweep=grid(lr=[1e-2], beta2_decay=[-0.8, -0.5], weight_decay=[0.0, 0.1],
+                   maximize=[False, True])
+        + [dict(lr=1e-2, eps=(1e-3, 1e-3)), dict(lr=0.5, d=1.5, weight_decay=0.1),
+           dict(lr=1e-2, eps=(None, 0.5))],
+        invalid=[dict(lr=-1.0), dict(beta2_decay=0.1), dict(eps=(-1.0, 1e-3)),
+                 dict(eps=(None, -1.0)), dict(d=0.5), dict(weight_decay=-1.0),
+                 dict(lr=torch.tensor([0.1, 0.2])), dict(lr=float("nan")),
+                 dict(d=0.5, weight_decay=-1.0)],
+        base=dict(lr=1e-2, weight_decay=0.1),
+        # torch 2.13 raises ZeroDivisionError on a parameter with no elements (ours steps it:
+        # tests/test_adafactor.py); a 3-D tensor: factored over its last two dimensions
+        shapes=[s for s in SHAPES if 0 not in s] + [(3, 5, 7), (2, 1, 9)],
+    ),
     Case(
         "NAdam", rpo.NAdam, torch.optim.NAdam,
         sweep=grid(lr=[1e-2], betas=[(0.8, 0.99)], eps=[1e-6], maximize=[False, True],

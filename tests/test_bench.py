@@ -51,6 +51,19 @@ def test_benchmark_runs_and_writes_json(tmp_path):
         assert all(v > 0 for v in row["ns_per_param"].values())
 
 
+def test_adafactor_rows_are_matrices_with_their_floor_and_the_header_names_the_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "roundpipe.bench", "--algorithms", "Adafactor",
+                        "--layouts", "200x250k", "--scale", "0.01", "--repeats", "5",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["threads"]["cpu"] in r.stdout.splitlines()[0]
+    (row,) = result["rows"]
+    assert row["bytes_per_element"] == 24  # three passes: 8 + 4 + 12 (roundpipe/adafactor.hpp)
+    assert result["mixed"] == []           # not a one-pass step: not in the fused table
+
+
 def test_fewer_than_five_repeats_are_refused():
     r = subprocess.run([sys.executable, "-m", "roundpipe.bench", "--repeats", "4"],
                        capture_output=True, text=True, timeout=120)

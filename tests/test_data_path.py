@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from torch import nn
 import roundpipe
 import roundpipe.optim as rpo
 from roundpipe import RoundPipe, layer_seed
+from roundpipe.bench.memory import CONFIGS, measure_memory
 from roundpipe.pipeline.schedule import Visit, device_orders, pass_order
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -140,44 +140,7 @@ def test_gradients_summed_on_the_device_equal_plain_host_summation():
 
 # --- host memory per parameter ------------------------------------------------------------------
 
-_MEMORY = r"""
-import os, resource, sys
-import torch
-from torch import nn
-import roundpipe, roundpipe.optim as rpo
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-def train(model, opt, mode, x, steps):
-    lf = lambda o: o.float().square().mean()
-    for _ in range(steps):
-        if mode == "exact":
-            model.forward_backward(input_args=(x,), loss_fn=lf, optimizer=opt)
-        else:
-            model.forward_backward(input_args=(x,), loss_fn=lf)
-            model.step(opt, is_async=mode == "async")
-    model.synchronize()
-
-mode, hidden = sys.argv[1], int(sys.argv[2])
-# what does not grow with the model first (threads, OpenMP, oneDNN, allocator arenas)
-small = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
-warm = roundpipe.RoundPipe(small, optim_dtype=torch.float32, device="cpu", num_microbatch=4)
-for m in ("exact", "step", "async"):
-    train(warm, rpo.AdamW(warm.optim_parameters()), m, torch.randn(4, 64).bfloat16(), 2)
-del warm
-base = rss()
-torch.set_default_dtype(torch.bfloat16)   # built in bf16: no fp32 model ever exists
-net = nn.Sequential(*[nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(),
-                                    nn.Linear(4 * hidden, hidden)) for _ in range(12)])
-torch.set_default_dtype(torch.float32)
-n = sum(p.numel() for p in net.parameters())
-model = roundpipe.RoundPipe(net, optim_dtype=torch.float32, device="cpu", num_microbatch=4)
-train(model, rpo.AdamW(model.optim_parameters(), lr=1e-4), mode, torch.randn(4, hidden).bfloat16(), 3)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print((peak - base) / n)
-"""
+FP32_ADAMW = CONFIGS[0]  # bf16 model copy, fp32 optimizer copies, fp32 AdamW
 
 
 @pytest.mark.parametrize("mode,bound", [("step", 19.5), ("async", 19.5), ("exact", 15.5)])
@@ -185,10 +148,7 @@ def test_host_bytes_per_parameter(mode, bound):
     """bf16 model copy (2 B), fp32 optimizer copy (4), AdamW state (8), fp32 gradient (4,
     none kept in exact mode): peak RSS over the parameter count of a 12-layer, 157M-parameter
     model trained 3 steps on the CPU device, after a warm-up of the fixed costs."""
-    r = subprocess.run([sys.executable, "-c", _MEMORY, mode, "1280"], capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    per_param = float(r.stdout.split()[-1])
+    per_param = measure_memory(FP32_ADAMW, 1280, mode)   # as python -m roundpipe.bench memory
     floor = 14 if mode == "exact" else 18
     assert floor <= per_param <= bound, per_param
 

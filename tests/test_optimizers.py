@@ -32,7 +32,7 @@ SCALAR_ISA_UNFUSED = X86 and torch.backends.cpu.get_cpu_capability() != "DEFAULT
 @pytest.mark.parametrize("case,kwargs", SWEEP)
 def test_matches_torch(isa, case, kwargs):
     tolerance = case.scalar_isa_tolerance(kwargs) if isa == "scalar" and SCALAR_ISA_UNFUSED else {}
-    assert_same_training(case.ours, case.ref, kwargs, **tolerance)
+    assert_same_training(case.ours, case.ref, kwargs, shapes=case.shapes, **tolerance)
 
 
 _UNFUSED_SCRIPT = """
@@ -44,7 +44,7 @@ for case in CASES:
     for i, kwargs in enumerate(case.sweep):
         if case.scalar_isa_tolerance(kwargs):
             print(case, i, flush=True)
-            assert_same_training(case.ours, case.ref, kwargs, rtol=0, atol=0)
+            assert_same_training(case.ours, case.ref, kwargs, shapes=case.shapes, rtol=0, atol=0)
 """
 
 
@@ -65,18 +65,20 @@ def test_scalar_isa_matches_torch_without_fma():
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_extreme_gradient_scales(case, grad_scale):
     # 1e-20 gradients make squared-gradient state subnormal (1e-40): kept, as torch keeps it.
-    assert_same_training(case.ours, case.ref, case.base, grad_scale=grad_scale)
+    assert_same_training(case.ours, case.ref, case.base, grad_scale=grad_scale,
+                         shapes=case.shapes)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_views_into_one_buffer_and_tensor_lr(case):
-    assert_same_training(case.ours, case.ref, case.base, as_views=True)
-    assert_same_training(case.ours, case.ref, dict(case.base, lr=torch.tensor(case.lr)))
+    assert_same_training(case.ours, case.ref, case.base, as_views=True, shapes=case.shapes)
+    assert_same_training(case.ours, case.ref, dict(case.base, lr=torch.tensor(case.lr)),
+                         shapes=case.shapes)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_lr_scheduler_drives_both_alike(case):
-    assert_same_training(case.ours, case.ref, case.base,
+    assert_same_training(case.ours, case.ref, case.base, shapes=case.shapes,
                          scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 3, gamma=0.5))
 
 
@@ -93,7 +95,7 @@ def _train(opt, params, steps, seed):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_state_dict_round_trip(case, direction):
     first, second = (case.ours, case.ref) if direction == "ours_to_torch" else (case.ref, case.ours)
-    params = make_params()
+    params = make_params(case.shapes)
     opt = first(params, **case.base)
     _train(opt, params, 5, seed=1)
     buf = io.BytesIO()
@@ -201,11 +203,18 @@ def _signature_flags(case, names):
     return [n for n in names if n in params]
 
 
+# roundpipe's own options (compact storage, roundpipe.optim.compact): keyword-only, after
+# torch's, with defaults that change nothing.
+EXTRA_OPTIONS = {"state_dtype": torch.float32, "stochastic_rounding": False, "seed": None}
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_signature_matches_torch(case):
     ours = inspect.signature(case.ours.__init__).parameters
     ref = inspect.signature(case.ref.__init__).parameters
-    assert list(ours) == list(ref)
+    assert list(ours) == list(ref) + list(EXTRA_OPTIONS)
+    for name, default in EXTRA_OPTIONS.items():
+        assert ours[name].kind == inspect.Parameter.KEYWORD_ONLY and ours[name].default is default
     for name, p in ref.items():
         assert ours[name].kind == p.kind, name
         if p.default is not inspect.Parameter.empty:
@@ -322,6 +331,8 @@ def test_state_missing_a_key_behaves_as_in_torch(case):
     probe.grad = torch.ones(6)
     probe_opt.step()
     for key in list(probe_opt.state[probe]):
+        if case.name == "Adafactor" and key != "step":
+            continue  # torch: an AssertionError deep in the update (tests/test_adafactor.py)
         outcomes = []
         for cls in (case.ours, case.ref):
             (p,) = make_params([(6,)])

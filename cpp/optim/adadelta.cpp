@@ -31,7 +31,7 @@ void adadelta_step(const AdadeltaOptions& o, const ParamBuffers* tensors, std::s
   };
   for (std::size_t i = 0; i < count; ++i) *tensors[i].scalar[AdadeltaState::step] += 1.0f;
   const std::vector<detail::AdadeltaCoeffs> coeffs(count, c);
-  detail::run_kernel(kernels.adadelta, coeffs.data(), tensors, count, io);
+  detail::run_kernel<AdadeltaState>(kernels.adadelta, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -31,7 +31,7 @@ void adagrad_step(const AdagradOptions& o, const ParamBuffers* tensors, std::siz
     const double clr = o.lr / (1.0 + (step - 1.0) * o.lr_decay);
     coeffs[i] = detail::AdagradCoeffs{grad, static_cast<float>(o.eps), static_cast<float>(-clr)};
   }
-  detail::run_kernel(kernels.adagrad, coeffs.data(), tensors, count, io);
+  detail::run_kernel<AdagradState>(kernels.adagrad, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -41,7 +41,7 @@ void adamax_step(const AdamaxOptions& o, const ParamBuffers* tensors, std::size_
         static_cast<float>(-clr),
     };
   }
-  detail::run_kernel(kernels.adamax, coeffs.data(), tensors, count, io);
+  detail::run_kernel<AdamaxState>(kernels.adamax, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -36,6 +36,7 @@ void asgd_step(const AsgdOptions& o, const ParamBuffers* tensors, std::size_t co
         /*neg_eta=*/static_cast<float>(-eta),
         /*average=*/mu_t != 1.0f,
         mu_t,
+        /*stream_ax=*/tensors[i].state_format[AsgdState::ax] == StateFormat::float32,
     };
     // Then the values for the next step, in Python floats, stored through float32 tensors:
     //   eta = lr / ((1 + lambd * lr * step) ** alpha);  mu = 1 / max(1, step - t0)
@@ -45,7 +46,7 @@ void asgd_step(const AsgdOptions& o, const ParamBuffers* tensors, std::size_t co
     const double since_t0 = step - o.t0;
     mu_t = static_cast<float>(1.0 / (since_t0 > 1.0 ? since_t0 : 1.0));
   }
-  detail::run_kernel(kernels.asgd, coeffs.data(), tensors, count, io);
+  detail::run_kernel<AsgdState>(kernels.asgd, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -10,6 +10,7 @@
 #include "roundpipe/error.hpp"
 #include "roundpipe/step_io.hpp"
 #include "kernels/moments.hpp"
+#include "state_traits.hpp"
 
 namespace roundpipe {
 namespace detail {
@@ -29,10 +30,12 @@ inline void check_range(const char* fn, const char* name, double x, double lo,
                 (hi_open ? ")" : "]") + ", got " + fmt(x));
 }
 
-// Checks that every tensor has what the algorithm needs: param, grad (or grad16, bfloat16 or
-// float16), the state arrays State::state_names[k] for each k set in `state_mask` (unless
-// numel == 0), the scalars State::scalar_names[k] for each k set in `scalar_mask`, a valid
-// model_copy_dtype; and `io`'s grad_scale (finite, > 0), whose outputs it resets. Messages name
+// Checks that every tensor has what the algorithm needs: param (or param_bf16), grad (or
+// grad16, bfloat16 or float16), the state arrays State::state_names[k] for each k set in
+// `state_mask` (unless numel == 0) in their state_format (float32: state[k]; bfloat16:
+// packed_state[k]; int8, where State allows it: packed_state[k] and state_absmax[k]), the
+// scalars State::scalar_names[k] for each k set in `scalar_mask`, a valid model_copy_dtype; and
+// `io`'s grad_scale (finite, > 0), whose outputs it resets. Messages name
 // `tensors[i].<slot name>` or `io.<field>`.
 template <class State>
 void check_buffers(const char* fn, const ParamBuffers* tensors, std::size_t count,
@@ -53,7 +56,7 @@ void check_buffers(const char* fn, const ParamBuffers* tensors, std::size_t coun
   };
   for (std::size_t i = 0; i < count; ++i) {
     const ParamBuffers& t = tensors[i];
-    if (t.numel != 0 && !t.param) fail(i, "param");
+    if (t.numel != 0 && !t.param && !t.param_bf16) fail(i, "param");
     if (t.numel != 0 && !t.grad && !t.grad16) fail(i, "grad");
     if (t.grad16 && t.grad16_dtype != Dtype::bfloat16 && t.grad16_dtype != Dtype::float16)
       throw Error(std::string(fn) + ": tensors[" + std::to_string(i) +
@@ -61,8 +64,27 @@ void check_buffers(const char* fn, const ParamBuffers* tensors, std::size_t coun
     if (t.model_copy && static_cast<unsigned>(t.model_copy_dtype) > 2u)
       throw Error(std::string(fn) + ": tensors[" + std::to_string(i) +
                   "].model_copy_dtype is not a Dtype");
-    for (std::size_t k = 0; k < State::state_names.size(); ++k)
-      if ((state_mask >> k & 1u) && t.numel != 0 && !t.state[k]) fail(i, State::state_names[k]);
+    for (std::size_t k = 0; k < State::state_names.size(); ++k) {
+      const std::string slot = std::string(State::state_names[k]);
+      switch (t.state_format[k]) {
+        case StateFormat::float32:
+          if ((state_mask >> k & 1u) && t.numel != 0 && !t.state[k]) fail(i, slot.c_str());
+          break;
+        case StateFormat::int8:
+          if (!Int8Slots<State>::allowed)
+            throw Error(std::string(fn) + ": tensors[" + std::to_string(i) + "].state_format[" +
+                        std::to_string(k) + "] (" + slot + ") is int8, which this algorithm " +
+                        "does not support (float32 or bfloat16)");
+          if (t.numel != 0 && !t.state_absmax[k]) fail(i, (slot + " absmax").c_str());
+          [[fallthrough]];
+        case StateFormat::bfloat16:
+          if (t.numel != 0 && !t.packed_state[k]) fail(i, (slot + " (packed)").c_str());
+          break;
+        default:
+          throw Error(std::string(fn) + ": tensors[" + std::to_string(i) + "].state_format[" +
+                      std::to_string(k) + "] is not a StateFormat");
+      }
+    }
     for (std::size_t k = 0; k < State::scalar_names.size(); ++k)
       if ((scalar_mask >> k & 1u) && !t.scalar[k]) fail(i, State::scalar_names[k]);
   }

@@ -9,10 +9,12 @@
 #include <cstddef>
 
 #include "kernels/adadelta.hpp"
+#include "kernels/adafactor.hpp"
 #include "kernels/adagrad.hpp"
 #include "kernels/adam.hpp"
 #include "kernels/adamax.hpp"
 #include "kernels/asgd.hpp"
+#include "kernels/compact.hpp"
 #include "kernels/mixed.hpp"
 #include "kernels/nadam.hpp"
 #include "kernels/radam.hpp"
@@ -25,9 +27,11 @@
 namespace roundpipe {
 namespace detail {
 
-// One algorithm's kernel: its update on elements [begin, end) of one tensor.
+// One algorithm's kernel: its update on elements [begin, end) of one tensor. The coefficients
+// and buffers are passed by value: the kernel's own copies, which its float stores cannot alias,
+// so their fields stay in registers across the loop instead of being reloaded after each store.
 template <class Coeffs>
-using KernelFn = void (*)(const Coeffs&, const ParamBuffers&, std::size_t begin, std::size_t end);
+using KernelFn = void (*)(Coeffs, ParamBuffers, std::size_t begin, std::size_t end);
 
 struct KernelTable {
 #define ROUNDPIPE_KERNEL_ENTRY(name, Name) KernelFn<Name##Coeffs> name;
@@ -36,7 +40,23 @@ struct KernelTable {
   // the mixed-precision pass (kernels/mixed.hpp)
   void (*stage_grad)(const ParamBuffers&, std::size_t begin, std::size_t n, float inv_scale,
                      float clip, bool norm, float* out, GradStats& stats);
-  void (*store_model_copy)(const ParamBuffers&, std::size_t begin, std::size_t n);
+  void (*store_model_copy)(const ParamBuffers&, const float* param, std::size_t begin,
+                           std::size_t n);
+  // Adafactor's reductions and passes besides its update (kernels/adafactor.hpp)
+  double (*adafactor_squares)(const float* x, std::size_t n, float* acc);
+  void (*adafactor_lerp)(float* start, const float* end, std::size_t n, float weight,
+                         bool from_end);
+  double (*adafactor_variance)(AdafactorCoeffs, ParamBuffers, std::size_t begin,
+                               std::size_t end);
+  double (*adafactor_norm)(AdafactorCoeffs, ParamBuffers, std::size_t begin, std::size_t end);
+  // compact storage (kernels/compact.hpp)
+  void (*widen_bf16)(const std::uint16_t* x, std::size_t n, float* out);
+  void (*round_bf16)(const float* x, std::size_t n, std::uint32_t key, std::uint32_t first,
+                     std::uint16_t* out, float* kept);
+  void (*dequantize_blocks)(const QuantMap&, const std::uint8_t* codes, const float* absmax,
+                            std::size_t n, float* out);
+  void (*quantize_blocks)(const QuantMap&, const float* x, std::size_t n, std::uint8_t* codes,
+                          float* absmax);
 };
 
 // The table of the active ISA (roundpipe::active_isa()); throws roundpipe::Error as that does.

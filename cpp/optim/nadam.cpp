@@ -51,7 +51,7 @@ void nadam_step(const NAdamOptions& o, const ParamBuffers* tensors, std::size_t 
         static_cast<float>((-o.lr * mu_next) / (1.0 - mu_product_next)),
     };
   }
-  detail::run_kernel(kernels.nadam, coeffs.data(), tensors, count, io);
+  detail::run_kernel<NAdamState>(kernels.nadam, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -8,6 +8,7 @@
 #include "kernel_table.hpp"
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/step_io.hpp"
+#include "state_traits.hpp"
 
 namespace roundpipe {
 namespace detail {
@@ -19,6 +20,13 @@ constexpr std::size_t kChunkElements = 16384;
 // Runs task(ctx, k) for k in [0, ntasks) on the pool (the caller takes part) and returns when all
 // are done. Calls from several threads are serialised.
 void run_tasks(std::size_t ntasks, void (*task)(void* ctx, std::size_t k), void* ctx);
+
+// Runs fn(k) for k in [0, ntasks) on the pool.
+template <class Fn>
+void for_each_task(std::size_t ntasks, Fn&& fn) {
+  run_tasks(ntasks, [](void* ctx, std::size_t k) { (*static_cast<std::remove_reference_t<Fn>*>(ctx))(k); },
+            &fn);
+}
 
 // Elements per step of the mixed-precision pass: its float32 gradient buffer (8 KiB) and the
 // slices of param and state it updates stay in L1 between staging, update and copy-out.
@@ -55,38 +63,41 @@ inline std::size_t count_chunks(const ParamBuffers* tensors, std::size_t count) 
   return chunks;
 }
 
-// Whether a call takes the mixed-precision pass (roundpipe/step_io.hpp).
-inline bool mixed_precision(const ParamBuffers* tensors, std::size_t count, const StepIO* io) {
-  if (io) return true;
-  for (std::size_t i = 0; i < count; ++i)
-    if (tensors[i].grad16 || tensors[i].model_copy) return true;
+// Whether a tensor's parameter or any of its state is stored compactly (roundpipe/compact.hpp).
+inline bool compact(const ParamBuffers& t) {
+  if (t.param_bf16) return true;
+  for (StateFormat f : t.state_format)
+    if (f != StateFormat::float32) return true;
   return false;
 }
 
-// Tensor t's elements [begin, begin + n) as a tensor of its own, with `grad` as its gradient.
-inline ParamBuffers slice(const ParamBuffers& t, std::size_t begin, std::size_t n,
-                          const float* grad) {
-  ParamBuffers s = t;
-  s.param = t.param + begin;
-  for (float*& state : s.state)
-    if (state) state += begin;
-  s.grad = grad;
-  s.grad16 = nullptr;
-  s.model_copy = nullptr;
-  s.numel = n;
-  return s;
+// Whether a call takes the staged pass: the mixed-precision pass (roundpipe/step_io.hpp) or
+// compact storage.
+inline bool staged(const ParamBuffers* tensors, std::size_t count, const StepIO* io) {
+  if (io) return true;
+  for (std::size_t i = 0; i < count; ++i)
+    if (tensors[i].grad16 || tensors[i].model_copy || compact(tensors[i])) return true;
+  return false;
 }
 
+// Elements per step of the staged pass over compact storage: up to five float32 buffers
+// (gradient, parameter, three state slots) stay in L1.
+constexpr std::size_t kCompactStageElements = 1024;
+
 // Runs kernel(coeffs[i], tensors[i], begin, end) over every chunk of every tensor, in parallel.
-// With `io` or any grad16 / model_copy, each chunk runs in slices of kStageElements: the
-// gradient staged as float32 into a stack buffer, the kernel on the slice, the model copy
-// written; per-chunk gradient statistics are reduced into `io` in chunk order.
-template <class Coeffs>
-void run_kernel(void (*kernel)(const Coeffs&, const ParamBuffers&, std::size_t, std::size_t),
+// With `io`, any grad16 / model_copy or compact storage, each chunk runs in slices of
+// kStageElements (kCompactStageElements for a compact tensor): the gradient staged as float32
+// into a stack buffer (when it is 16-bit or io is given), a bfloat16 parameter and compact state
+// read into float32 buffers, the kernel on the slice, the compact arrays written back, the model
+// copy written; per-chunk gradient statistics are reduced into `io` in chunk order. `State` (the
+// algorithm's slot names, roundpipe/<name>.hpp) says which slots take the unsigned int8 map and
+// whether the tensor's step count (scalar slot 0) enters the rounding seed.
+template <class State, class Coeffs>
+void run_kernel(KernelFn<Coeffs> kernel,
                 const Coeffs* coeffs, const ParamBuffers* tensors, std::size_t count,
                 StepIO* io) {
   auto numel = [&](std::size_t i) { return tensors[i].numel; };
-  if (!mixed_precision(tensors, count, io)) {
+  if (!staged(tensors, count, io)) {
     for_each_chunk(count, numel, [&](std::size_t i, std::size_t begin, std::size_t end,
                                      std::size_t) { kernel(coeffs[i], tensors[i], begin, end); });
     return;
@@ -99,13 +110,65 @@ void run_kernel(void (*kernel)(const Coeffs&, const ParamBuffers&, std::size_t, 
   for_each_chunk(count, numel, [&](std::size_t i, std::size_t begin, std::size_t end,
                                    std::size_t chunk) {
     alignas(64) float grad[kStageElements];
+    alignas(64) float param[kStageElements];
+    alignas(64) float state[ParamBuffers::kMaxState][kCompactStageElements];
     const ParamBuffers& t = tensors[i];
+    const bool packed = compact(t);
+    const std::uint64_t seed =
+        counts_steps<State>() && t.scalar[0] ? step_seed(t.rounding_seed, *t.scalar[0])
+                                             : t.rounding_seed;
     GradStats s;
-    for (std::size_t b = begin; b < end; b += kStageElements) {
-      const std::size_t n = std::min(kStageElements, end - b);
-      isa.stage_grad(t, b, n, inv_scale, clip, norm, grad, s);
-      kernel(coeffs[i], slice(t, b, n, grad), 0, n);
-      if (t.model_copy) isa.store_model_copy(t, b, n);
+    const std::size_t step = packed ? kCompactStageElements : kStageElements;
+    for (std::size_t b = begin; b < end; b += step) {
+      const std::size_t n = std::min(step, end - b);
+      ParamBuffers x = t;  // the slice, all float32
+      x.numel = n;
+      x.grad16 = nullptr;
+      x.model_copy = nullptr;
+      x.param_bf16 = nullptr;
+      if (t.grad16 || io) {
+        isa.stage_grad(t, b, n, inv_scale, clip, norm, grad, s);
+        x.grad = grad;
+      } else {
+        x.grad = t.grad + b;
+      }
+      if (t.param_bf16) {
+        isa.widen_bf16(t.param_bf16 + b, n, param);
+        x.param = param;
+      } else {
+        x.param = t.param + b;
+      }
+      for (int k = 0; k < ParamBuffers::kMaxState; ++k) {
+        x.state_format[k] = StateFormat::float32;
+        x.packed_state[k] = nullptr;
+        x.state_absmax[k] = nullptr;
+        if (t.state_format[k] == StateFormat::float32) {
+          x.state[k] = t.state[k] ? t.state[k] + b : nullptr;
+        } else if (t.state_format[k] == StateFormat::bfloat16) {
+          isa.widen_bf16(static_cast<const std::uint16_t*>(t.packed_state[k]) + b, n, state[k]);
+          x.state[k] = state[k];
+        } else {
+          isa.dequantize_blocks(quant_map(!(nonnegative_slots<State>() >> k & 1u)),
+                                static_cast<const std::uint8_t*>(t.packed_state[k]) + b,
+                                t.state_absmax[k] + b / kQuantBlock, n, state[k]);
+          x.state[k] = state[k];
+        }
+      }
+      kernel(coeffs[i], x, 0, n);
+      for (int k = 0; k < ParamBuffers::kMaxState; ++k) {
+        if (t.state_format[k] == StateFormat::bfloat16)
+          isa.round_bf16(state[k], n, stream_key(seed, 1 + k, b >> 32),
+                         static_cast<std::uint32_t>(b),
+                         static_cast<std::uint16_t*>(t.packed_state[k]) + b, nullptr);
+        else if (t.state_format[k] == StateFormat::int8)
+          isa.quantize_blocks(quant_map(!(nonnegative_slots<State>() >> k & 1u)), state[k], n,
+                              static_cast<std::uint8_t*>(t.packed_state[k]) + b,
+                              t.state_absmax[k] + b / kQuantBlock);
+      }
+      if (t.param_bf16)
+        isa.round_bf16(param, n, stream_key(seed, 0, b >> 32), static_cast<std::uint32_t>(b),
+                       t.param_bf16 + b, param);
+      if (t.model_copy) isa.store_model_copy(t, x.param, b, n);
     }
     if (io) stats[chunk] = s;
   });

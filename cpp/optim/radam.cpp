@@ -52,7 +52,7 @@ void radam_step(const RAdamOptions& o, const ParamBuffers* tensors, std::size_t 
         static_cast<float>(rect),
     };
   }
-  detail::run_kernel(kernels.radam, coeffs.data(), tensors, count, io);
+  detail::run_kernel<RAdamState>(kernels.radam, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -39,7 +39,7 @@ void rmsprop_step(const RMSpropOptions& o, const ParamBuffers* tensors, std::siz
   };
   for (std::size_t i = 0; i < count; ++i) *tensors[i].scalar[RMSpropState::step] += 1.0f;
   const std::vector<detail::RMSpropCoeffs> coeffs(count, c);
-  detail::run_kernel(kernels.rmsprop, coeffs.data(), tensors, count, io);
+  detail::run_kernel<RMSpropState>(kernels.rmsprop, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -57,7 +57,7 @@ void rprop_step(const RpropOptions& o, const ParamBuffers* tensors, std::size_t 
       static_cast<float>(o.step_size_max),
   };
   const std::vector<detail::RpropCoeffs> coeffs(count, c);
-  detail::run_kernel(kernels.rprop, coeffs.data(), tensors, count, io);
+  detail::run_kernel<RpropState>(kernels.rprop, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -44,7 +44,7 @@ void sgd_step(const SGDOptions& o, const ParamBuffers* tensors, std::size_t coun
     // Written only on the change, so a caller may pass one shared flag for ready buffers.
     if (fresh) *ready = 1.0f;
   }
-  detail::run_kernel(kernels.sgd, coeffs.data(), tensors, count, io);
+  detail::run_kernel<SGDState>(kernels.sgd, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

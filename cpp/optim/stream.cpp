@@ -19,7 +19,7 @@ void stream_step(const StreamOptions& o, const ParamBuffers* tensors, std::size_
   detail::check_buffers<StreamState>(fn, tensors, count, (1u << o.states) - 1u, 0u, io);
   const detail::KernelTable& kernels = detail::active_kernels();
   const std::vector<detail::StreamCoeffs> coeffs(count, detail::StreamCoeffs{o.states});
-  detail::run_kernel(kernels.stream, coeffs.data(), tensors, count, io);
+  detail::run_kernel<StreamState>(kernels.stream, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

@@ -6,8 +6,13 @@ saved at N ranks loads at M ranks, or in one process, and training continues ide
 Layout of the saved state (keys are the model's parameter names, so nothing depends on the
 world size): ``model``: every trainable parameter at full precision (the optimizer copies),
 every buffer and frozen parameter; ``optimizer``: ``state`` (per parameter name, per state
-key) and ``param_groups`` (hyperparameters, parameters by name); ``extra``: whatever the
-caller adds (an LR scheduler's state, the step, a GradScaler's state).
+key, as the optimizer keeps it: float32, bfloat16 or int8 codes with their block maxima; only
+``state_dtype="int8"`` state of a sharded parameter is written as the float32 values it reads
+back as, since each rank's block maxima would not split over another world size — a passing 4
+bytes per state value of the rank's rows while saving, and a resume within the quantisation
+error instead of bit for bit) and ``param_groups`` (hyperparameters, parameters by name); ``extra``: whatever
+the caller adds (an LR scheduler's state, the step, a GradScaler's state). Loading converts the
+state to the optimizer's own ``state_dtype``, whatever it was saved as.
 
     roundpipe.save_checkpoint("ckpt", model, opt, extra={"step": step})
     extra = roundpipe.load_checkpoint("ckpt", model, opt)   # any world size
@@ -20,6 +25,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+
+from .optim import CpuOptimizer, compact
 
 
 def _names(model) -> dict[int, str]:
@@ -68,19 +75,59 @@ def _state(model, optimizer, mesh, template_keys: Optional[dict] = None) -> dict
             groups.append(entry)
             for p in g["params"]:
                 i = index[id(p)]
-                keys = template_keys.get(names[i], {}) if template_keys is not None else None
-                st = optimizer.state.get(p, {})
-                if keys is not None:  # loading: every key of the checkpoint, created if missing
-                    for key, scalar in keys.items():
-                        if key not in st:
-                            st[key] = (torch.zeros((), dtype=torch.float32) if scalar
-                                       else torch.zeros_like(p.data))
-                    optimizer.state[p] = st
+                if template_keys is None:
+                    st = optimizer.state.get(p, {})
+                    if model._copies.rows[i] is not None:
+                        st = _portable(optimizer, st)
+                else:  # loading: a tensor for every entry of the checkpoint, as it was saved
+                    st = {key: torch.empty(p.shape if shape == "param" else shape, dtype=dtype)
+                          for key, (shape, dtype) in template_keys.get(names[i], {}).items()}
                 state[names[i]] = {k: (_wrap(model, i, v, mesh) if torch.is_tensor(v)
                                        and v.shape == p.shape and v.dim() > 0 else v)
                                    for k, v in st.items()}
         sd["optimizer"] = {"state": state, "param_groups": _blob(groups)}
     return sd
+
+
+def _portable(optimizer: torch.optim.Optimizer, st: dict) -> dict:
+    """This rank's rows of a sharded parameter's optimizer state as a checkpoint holds them: as
+    kept, except int8 state (block maxima over this rank's elements, which another world size
+    would split differently), written as the float32 values it reads back as."""
+    if isinstance(optimizer, CpuOptimizer) and any(
+            torch.is_tensor(v) and v.dtype == torch.uint8 for v in st.values()):
+        return compact.as_float32(st, optimizer._state_keys, optimizer._int8_signed)
+    return st
+
+
+def _adopt(optimizer: torch.optim.Optimizer, p: torch.Tensor, loaded: dict,
+           rows: Optional[tuple[int, int]]) -> None:
+    """``loaded`` (one parameter's state read from a checkpoint, in the form it was saved;
+    int8 codes whole, the rest ``rows`` of it when sharded) becomes ``optimizer``'s state of
+    ``p``, converted to the optimizer's own format (a ``roundpipe.optim`` optimizer with
+    compact state: bfloat16 or int8).
+
+    Raises:
+        TypeError: int8 state for an optimizer that is not ``roundpipe.optim``'s.
+    """
+    if any(torch.is_tensor(v) and v.dtype == torch.uint8 for v in loaded.values()):
+        if not isinstance(optimizer, CpuOptimizer):
+            raise TypeError("roundpipe.load_checkpoint: the checkpoint holds int8 optimizer "
+                            "state, which only roundpipe.optim optimizers load (any "
+                            f"state_dtype), not {type(optimizer).__name__}")
+        if rows is not None:  # the codes of the whole parameter: its values, then our rows
+            loaded = {k: v[rows[0]:rows[1]] if k in optimizer._state_keys and v.dim() > 0 else v
+                      for k, v in compact.as_float32(loaded, optimizer._state_keys,
+                                                     optimizer._int8_signed).items()}
+    if not isinstance(optimizer, CpuOptimizer):
+        optimizer.state[p] = loaded
+        return
+    st: dict = {}
+    for key, v in loaded.items():
+        if key in optimizer._state_keys:
+            compact.store(optimizer._memory, p, st, key, loaded, optimizer._int8_signed)
+        elif not key.endswith("_absmax"):
+            st[key] = v
+    optimizer.state[p] = st
 
 
 def _blob(obj: Any) -> io.BytesIO:
@@ -120,12 +167,17 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     """
     model.synchronize()
     meta = dcp.FileSystemReader(path).read_metadata()
-    keys: dict[str, dict[str, bool]] = {}
+    trainable = {name: copies_i for copies_i, name in _names(model).items()}
+    keys: dict[str, dict[str, tuple]] = {}  # name -> key -> (shape or "param", dtype)
     for fqn, m in meta.state_dict_metadata.items():
         parts = fqn.split(".")
         if parts[:2] == ["optimizer", "state"] and hasattr(m, "size"):
             name, key = ".".join(parts[2:-1]), parts[-1]
-            keys.setdefault(name, {})[key] = len(m.size) == 0
+            i = trainable.get(name)
+            whole = i is not None and tuple(m.size) == tuple(model._copies.model[i].shape) \
+                and len(m.size) > 0 and m.properties.dtype != torch.uint8  # codes: whole
+            keys.setdefault(name, {})[key] = ("param" if whole else tuple(m.size),
+                                              m.properties.dtype)
     sd = _state(model, optimizer, _mesh(model), keys)
     sd["extra"] = io.BytesIO()
     if optimizer is not None:
@@ -142,6 +194,14 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     for i, p in enumerate(copies.model):
         copies.synced[i] = copies.version(p)
     if optimizer is not None:
+        names = _names(model)
+        index = {id(o): i for i, o in enumerate(copies.optim)}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                loaded = sd["optimizer"]["state"].get(names[index[id(p)]], {})
+                i = index[id(p)]
+                _adopt(optimizer, p, {k: v.to_local() if hasattr(v, "to_local") else v
+                                      for k, v in loaded.items()}, copies.rows[i])
         for g, saved in zip(optimizer.param_groups, _unblob(sd["optimizer"]["param_groups"])):
             for k, v in saved.items():
                 if k != "params":

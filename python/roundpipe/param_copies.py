@@ -3,7 +3,9 @@
 Every parameter that requires grad when the model is wrapped has two host copies: the
 *model copy* (the module's own parameter, in the model's dtype: what the devices compute
 with) and the *optimizer copy* (a separate ``nn.Parameter`` in ``optim_dtype``: what optimizers
-step). :class:`ParamCopies` owns the optimizer copies, the gradients accumulated for them
+step) — or one, when ``optim_dtype`` is given and is the parameter's own dtype (e.g. bfloat16
+master weights): the optimizer then steps the model copy itself (:attr:`ParamCopies.shared`),
+and writing back is nothing to do. :class:`ParamCopies` owns the optimizer copies, the gradients accumulated for them
 between steps, and keeping the two copies consistent (write-back after a step, picking up a
 model copy changed behind the wrapper's back, the set of model copies an asynchronous step
 left behind). Sharded over ranks (:mod:`roundpipe.distributed`), an optimizer copy holds only
@@ -28,7 +30,8 @@ class ParamCopies:
         module: the module whose names the wrapper presents.
         layers: the pipeline's layers (their parameters and buffers belong to ``module``).
         stages: the stages over ``layers``.
-        optim_dtype: dtype of the optimizer copies (None: each parameter's own).
+        optim_dtype: dtype of the optimizer copies (None: a separate copy in each parameter's
+            own dtype; a parameter already of ``optim_dtype`` has one copy).
         comm: the process group side (:class:`roundpipe.distributed.Comm`), or None.
 
     Raises:
@@ -42,6 +45,7 @@ class ParamCopies:
         self.model: list[nn.Parameter] = []
         self.optim: list[nn.Parameter] = []
         self.rows: list[Optional[tuple[int, int]]] = []  # this rank's rows (None: whole)
+        self.shared: list[bool] = []  # the optimizer copy is (this rank's rows of) the model copy
         for name, p in module.named_parameters():
             if not p.requires_grad:
                 continue
@@ -52,7 +56,12 @@ class ParamCopies:
             rows = comm.rows(p.shape) if comm is not None and comm.sharded(p.shape) else None
             self.rows.append(rows)
             src = p.detach() if rows is None else p.detach()[rows[0]:rows[1]]
-            self.optim.append(nn.Parameter(host_empty(src.shape, optim_dtype or p.dtype).copy_(src)))
+            shared = p.dtype == optim_dtype
+            self.shared.append(shared)
+            if shared:
+                self.optim.append(p if rows is None else nn.Parameter(src))
+            else:
+                self.optim.append(nn.Parameter(host_empty(src.shape, optim_dtype or p.dtype).copy_(src)))
         self.lock = threading.Lock()
         self.pool = HostBuffers()
         self.stale: set[int] = set()  # model copies behind their optimizer copies (async step)
@@ -183,14 +192,17 @@ class ParamCopies:
         with torch.no_grad():
             for i, p in enumerate(self.model):
                 if self.version(p) != self.synced[i]:
-                    self.optim[i].copy_(self.model_rows(i))
+                    if not self.shared[i]:
+                        self.optim[i].copy_(self.model_rows(i))
                     self.synced[i] = self.version(p)
 
     def write_back(self, i: int) -> None:
         """Model copy ``i`` takes its optimizer copy's value, rounded to the model dtype (its
-        rows of it when sharded: the caller all-gathers the rest)."""
-        with torch.no_grad():
-            self.model_rows(i).copy_(self.optim[i])
+        rows of it when sharded: the caller all-gathers the rest); nothing to copy when they
+        are one."""
+        if not self.shared[i]:
+            with torch.no_grad():
+                self.model_rows(i).copy_(self.optim[i])
         self.synced[i] = self.version(self.model[i])
 
     def mark_synced(self, i: int) -> None:
@@ -270,6 +282,8 @@ class ParamCopies:
                 last[i] = name
         with torch.no_grad():
             for i, name in last.items():
+                if self.shared[i]:
+                    continue  # the module loaded it
                 value, rows = state_dict[name], self.rows[i]
                 self.optim[i].copy_(value if rows is None else value[rows[0]:rows[1]])
         for i, p in enumerate(self.model):

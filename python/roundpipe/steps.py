@@ -336,13 +336,16 @@ class Steps:
         if not is_async:
             plan = self._plan(step_fn, True, [], scaler, scale, clip)
             return self.thread.run_now(functools.partial(self._step_job, plan), ())
+        shared = [i for i in range(len(copies)) if copies.shared[i]]
         with copies.lock:
-            behind, copies.stale = sorted(copies.stale), set(range(len(copies)))
+            behind = sorted(copies.stale)
+            copies.stale = {i for i in range(len(copies)) if not copies.shared[i]}
         plan = self._plan(step_fn, False, behind, scaler, scale, clip)
         if scaler is not None and scaler.is_enabled():
             self._next_scale = scaler.get_scale()  # this step's verdict counts one step later
         self._verdict = plan.verdict
-        self.thread.submit(functools.partial(self._step_job, plan), copies.layers_of(behind))
+        self.thread.submit(functools.partial(self._step_job, plan),
+                           copies.layers_of(behind + shared))
         return None
 
     def step_after_backward(self, opt: torch.optim.Optimizer, scaler: Optional[GradScaler],
@@ -372,7 +375,8 @@ class Steps:
                     for i in mine:
                         copies.write_back(i)
                     reduction.written(mine)
-                    release(li)
+                    if not any(copies.shared[i] for i in copies.layer_params[li]):
+                        release(li)  # else when this step has written it
             verdict = plan.clip is not None or (plan.scaler is not None
                                                  and plan.scaler.is_enabled())
             layers = reduction.layers_ready(grads, copies.own_params,
@@ -392,11 +396,13 @@ class Steps:
             else:
                 result = self._step_whole(plan, grads, decision)
                 grads = [None] * len(grads)  # the step function may keep them: not reused
-            if plan.write_back and plan.twin is None:
+            if plan.twin is None:
                 for li in range(len(copies.layers)):
-                    for i in copies.own_params[li]:
+                    written = [i for i in copies.own_params[li]
+                               if plan.write_back or copies.shared[i]]
+                    for i in written:
                         copies.write_back(i)
-                    reduction.written(copies.own_params[li])
+                    reduction.written(written)
                     release(li)
             self.report = StepReport(decision.norm, False, plan.scale)
             return result
@@ -443,9 +449,8 @@ class Steps:
                 if grads[i] is not None:
                     copies.pool.give(grads[i])
                     grads[i] = None
-            if plan.write_back:
-                self.reduction.written(todo)
-                release(li)
+            self.reduction.written([i for i in todo if plan.write_back or copies.shared[i]])
+            release(li)
         return total_norm(parts) if want else decision.norm
 
     def _step_whole(self, plan: _Plan, grads: list, decision: _Decision) -> Any:
@@ -478,25 +483,28 @@ class Steps:
                scale: float = 1.0, clip: float = 1.0, want_norm: bool = False) -> float:
         """``fused_step`` over the parameters ``indices`` that the optimizer holds and that
         have a gradient (with ``write_back``, into their model copies too; the others' model
-        copies are then rewritten from their optimizer copies). Returns the squared norm of
-        the unscaled gradients stepped (0.0 unless ``want_norm``)."""
+        copies are then rewritten from their optimizer copies; a parameter with one copy is
+        its model copy). Returns the squared norm of the unscaled gradients stepped (0.0
+        unless ``want_norm``)."""
         copies = self.copies
         step = [i for i in indices if grads.get(i) is not None and id(copies.optim[i]) in owned]
         norm_sq = 0.0
+        start = time.perf_counter()
+        for out in (True, False):  # with a separate model copy to write, then without
+            part = [i for i in step if (write_back and not copies.shared[i]) == out]
+            if part:
+                result = twin.fused_step([copies.optim[i] for i in part], [grads[i] for i in part],
+                                         [copies.model_rows(i) for i in part] if out else None,
+                                         grad_scale=scale, clip_factor=clip, grad_norm=want_norm)
+                norm_sq += result.grad_norm_sq or 0.0
         if step:
-            start = time.perf_counter()
-            result = twin.fused_step([copies.optim[i] for i in step], [grads[i] for i in step],
-                                     [copies.model_rows(i) for i in step] if write_back else None,
-                                     grad_scale=scale, clip_factor=clip, grad_norm=want_norm)
             self.stats.add("optimizer_s", time.perf_counter() - start)
-            norm_sq = result.grad_norm_sq or 0.0
-        if write_back:
-            stepped = set(step)
-            for i in indices:
-                if i in stepped:
-                    copies.mark_synced(i)
-                else:
-                    copies.write_back(i)
+        stepped = set(step)
+        for i in indices:
+            if i in stepped and (write_back or copies.shared[i]):
+                copies.mark_synced(i)
+            elif write_back:
+                copies.write_back(i)
         return norm_sq
 
     def hook_optimizer(self, opt: torch.optim.Optimizer) -> None:

@@ -50,7 +50,14 @@ class RoundPipe(nn.Module):
     fp32; it is what the device computes in). Every trainable parameter also gets an
     *optimizer copy* in ``optim_dtype`` (default: the model's dtype), created once here:
     optimizers work on those (:meth:`optim_parameters`, or :meth:`parameters` inside
-    :class:`roundpipe.OptimizerCtx`).
+    :class:`roundpipe.OptimizerCtx`). Given explicitly and equal to a parameter's dtype,
+    ``optim_dtype`` keeps *one* copy of it: the optimizer steps the model copy itself (bfloat16
+    master weights, ``RoundPipe(net.to(torch.bfloat16), optim_dtype=torch.bfloat16)`` with a
+    ``roundpipe.optim`` optimizer built with ``stochastic_rounding=True``: 2 bytes per weight
+    instead of 2 + 4). An asynchronous step (``step(opt, is_async=True)``) then has no older
+    copy to compute with: the next call's forward waits for each layer's update (it still
+    overlaps the step layer by layer) and computes with the new weights, as after a
+    synchronous step.
 
     Training::
 
@@ -63,7 +70,8 @@ class RoundPipe(nn.Module):
 
     Args:
         model: the network, with all parameters and buffers on the CPU.
-        optim_dtype: floating dtype of the optimizer copies (default: each parameter's dtype).
+        optim_dtype: floating dtype of the optimizer copies (default: a separate copy in each
+            parameter's dtype; a parameter already of ``optim_dtype`` has one copy).
         device: compute device(s): one device, or a non-empty list of them (default:
             ``cuda:0`` when CUDA is available, else the CPU, which runs the very same code
             path). Stage ``s`` runs on ``device[s % len(device)]``; each device has a worker
@@ -575,7 +583,9 @@ class RoundPipe(nn.Module):
         (``forward``, ``forward_backward``, ``step``, ``synchronize``, ``state_dict``,
         ``load_state_dict``; at the latest by the end of the next ``forward_backward``, which
         waits for the step before it returns), which then discards the gradients accumulated
-        since; the wrapper stays usable (the model copies are written back as usual).
+        since; the wrapper stays usable (the model copies are written back as usual). A
+        parameter with one copy (``optim_dtype`` equal to its dtype) is not stale: its layer
+        waits in the next pass until the step has written it.
 
         **Loss scaling and clipping** (``grad_scaler``: the :class:`roundpipe.GradScaler` the
         calls since the last step used; ``max_grad_norm``: clip by the global L2 norm over every

@@ -48,6 +48,9 @@ struct AdagradState {
   enum : int { step = 0 };  // scalar slot
   /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
   static constexpr auto state_names = std::array{"sum"};
+  /// int8 state (roundpipe/compact.hpp) is allowed; per slot, whether it takes the signed
+  /// dynamic map: sum is non-negative.
+  static constexpr auto int8_signed = std::array{false};
   static constexpr auto scalar_names = std::array{"step"};
 };
 

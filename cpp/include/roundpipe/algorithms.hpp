@@ -10,6 +10,7 @@
 
 #define ROUNDPIPE_ALGORITHMS(X) \
   X(adadelta, Adadelta)         \
+  X(adafactor, Adafactor)       \
   X(adagrad, Adagrad)           \
   X(adam, Adam)                 \
   X(adamax, Adamax)             \

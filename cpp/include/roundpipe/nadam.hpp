@@ -50,6 +50,9 @@ struct NAdamState {
   enum : int { step = 0, mu_product = 1 };  // scalar slots
   /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
   static constexpr auto state_names = std::array{"exp_avg", "exp_avg_sq"};
+  /// int8 state (roundpipe/compact.hpp) is allowed; per slot, whether it takes the signed
+  /// dynamic map: exp_avg takes either sign; exp_avg_sq is non-negative.
+  static constexpr auto int8_signed = std::array{true, false};
   static constexpr auto scalar_names = std::array{"step", "mu_product"};
 };
 

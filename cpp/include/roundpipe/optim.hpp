@@ -1,12 +1,14 @@
 // Umbrella header of the RoundPipe CPU optimizer library (target RoundPipe::optim).
 #pragma once
 #include "roundpipe/adadelta.hpp"
+#include "roundpipe/adafactor.hpp"
 #include "roundpipe/algorithms.hpp"
 #include "roundpipe/adagrad.hpp"
 #include "roundpipe/adam.hpp"
 #include "roundpipe/adamax.hpp"
 #include "roundpipe/asgd.hpp"
 #include "roundpipe/buffers.hpp"
+#include "roundpipe/compact.hpp"
 #include "roundpipe/error.hpp"
 #include "roundpipe/isa.hpp"
 #include "roundpipe/nadam.hpp"

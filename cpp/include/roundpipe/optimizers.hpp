@@ -5,6 +5,7 @@
 #include <cstddef>
 
 #include "roundpipe/adadelta.hpp"
+#include "roundpipe/adafactor.hpp"
 #include "roundpipe/adagrad.hpp"
 #include "roundpipe/adam.hpp"
 #include "roundpipe/adamax.hpp"
@@ -20,31 +21,52 @@ namespace roundpipe {
 
 /// Traits of an algorithm whose first `NumState` state slots are always used and start as
 /// zeros, with its 0-dim values (step) starting at 0.
-template <class Options,
+template <class Options, class StateSlots,
           void (*Step)(const Options&, const ParamBuffers*, std::size_t, StepIO*),
           int NumState>
 struct ZeroInitTraits {
+  using State = StateSlots;
+  static constexpr bool counts_steps = true;  // scalar slot 0 is the step count
   static void step(const Options& o, const ParamBuffers* t, std::size_t n) { Step(o, t, n, nullptr); }
   static bool uses_state(const Options&, int slot) { return slot < NumState; }
   static void init(const Options&, ParamBuffers&) {}
 };
 
 template <>
-struct AlgorithmTraits<AdadeltaOptions> : ZeroInitTraits<AdadeltaOptions, adadelta_step, 2> {
+struct AlgorithmTraits<AdadeltaOptions> : ZeroInitTraits<AdadeltaOptions, AdadeltaState, adadelta_step, 2> {
   static constexpr const char* name = "Adadelta";
 };
 /// Adadelta that owns its state; matches torch.optim.Adadelta.
 using Adadelta = Optimizer<AdadeltaOptions>;
 
 template <>
-struct AlgorithmTraits<AdamaxOptions> : ZeroInitTraits<AdamaxOptions, adamax_step, 2> {
+struct AlgorithmTraits<AdafactorOptions>
+    : ZeroInitTraits<AdafactorOptions, AdafactorState, adafactor_step, 3> {
+  static constexpr const char* name = "Adafactor";
+  // A tensor of >= 2 dimensions (rows, cols given: ParamArrays) keeps the row and column
+  // factors, any other the whole variance.
+  static std::size_t state_numel(int slot, std::size_t numel, std::size_t rows,
+                                 std::size_t cols) {
+    const bool factored = rows != 0 || cols != 0;
+    if (slot == AdafactorState::variance) return factored ? 0 : numel;
+    if (!factored || numel == 0) return 0;
+    return slot == AdafactorState::row_var ? numel / cols : numel / rows;
+  }
+};
+/// Adafactor that owns its state; matches torch.optim.Adafactor. Register a tensor of two or
+/// more dimensions with add_param(ParamArrays{..., rows, cols}) (its last two sizes) for the
+/// factored second moment; add_param(param, grad, numel) makes it a vector.
+using Adafactor = Optimizer<AdafactorOptions>;
+
+template <>
+struct AlgorithmTraits<AdamaxOptions> : ZeroInitTraits<AdamaxOptions, AdamaxState, adamax_step, 2> {
   static constexpr const char* name = "Adamax";
 };
 /// Adamax that owns its state; matches torch.optim.Adamax.
 using Adamax = Optimizer<AdamaxOptions>;
 
 template <>
-struct AlgorithmTraits<AsgdOptions> : ZeroInitTraits<AsgdOptions, asgd_step, 1> {
+struct AlgorithmTraits<AsgdOptions> : ZeroInitTraits<AsgdOptions, AsgdState, asgd_step, 1> {
   static constexpr const char* name = "ASGD";
   static void init(const AsgdOptions& o, ParamBuffers& t) {  // torch: eta = lr, mu = 1
     *t.scalar[AsgdState::eta] = static_cast<float>(o.lr);
@@ -57,6 +79,8 @@ using Asgd = Optimizer<AsgdOptions>;
 template <>
 struct AlgorithmTraits<AdamOptions> {
   static constexpr const char* name = "Adam";
+  using State = AdamState;
+  static constexpr bool counts_steps = true;
   static void step(const AdamOptions& o, const ParamBuffers* t, std::size_t n) { adam_step(o, t, n); }
   static bool uses_state(const AdamOptions& o, int slot) {
     return slot < AdamState::max_exp_avg_sq || (slot == AdamState::max_exp_avg_sq && o.amsgrad);
@@ -70,7 +94,7 @@ using Adam = Optimizer<AdamOptions>;
 // default, weight_decay = 1e-2).
 
 template <>
-struct AlgorithmTraits<NAdamOptions> : ZeroInitTraits<NAdamOptions, nadam_step, 2> {
+struct AlgorithmTraits<NAdamOptions> : ZeroInitTraits<NAdamOptions, NAdamState, nadam_step, 2> {
   static constexpr const char* name = "NAdam";
   static void init(const NAdamOptions&, ParamBuffers& t) { *t.scalar[NAdamState::mu_product] = 1.0f; }
 };
@@ -78,14 +102,14 @@ struct AlgorithmTraits<NAdamOptions> : ZeroInitTraits<NAdamOptions, nadam_step, 
 using NAdam = Optimizer<NAdamOptions>;
 
 template <>
-struct AlgorithmTraits<RAdamOptions> : ZeroInitTraits<RAdamOptions, radam_step, 2> {
+struct AlgorithmTraits<RAdamOptions> : ZeroInitTraits<RAdamOptions, RAdamState, radam_step, 2> {
   static constexpr const char* name = "RAdam";
 };
 /// RAdam that owns its state; matches torch.optim.RAdam.
 using RAdam = Optimizer<RAdamOptions>;
 
 template <>
-struct AlgorithmTraits<RpropOptions> : ZeroInitTraits<RpropOptions, rprop_step, 2> {
+struct AlgorithmTraits<RpropOptions> : ZeroInitTraits<RpropOptions, RpropState, rprop_step, 2> {
   static constexpr const char* name = "Rprop";
   static void init(const RpropOptions& o, ParamBuffers& t) { rprop_init_state(o, t); }  // step_size = lr
 };
@@ -93,8 +117,9 @@ struct AlgorithmTraits<RpropOptions> : ZeroInitTraits<RpropOptions, rprop_step, 
 using Rprop = Optimizer<RpropOptions>;
 
 template <>
-struct AlgorithmTraits<SGDOptions> : ZeroInitTraits<SGDOptions, sgd_step, 1> {
+struct AlgorithmTraits<SGDOptions> : ZeroInitTraits<SGDOptions, SGDState, sgd_step, 1> {
   static constexpr const char* name = "SGD";
+  static constexpr bool counts_steps = false;  // scalar slot 0 is the momentum buffer's flag
   // The momentum buffer exists only with momentum (torch keeps none otherwise); it is filled by
   // the first step, which the momentum_buffer_ready flag (0 at creation) tells the kernel.
   static bool uses_state(const SGDOptions& o, int slot) {
@@ -105,7 +130,7 @@ struct AlgorithmTraits<SGDOptions> : ZeroInitTraits<SGDOptions, sgd_step, 1> {
 using SGD = Optimizer<SGDOptions>;
 
 template <>
-struct AlgorithmTraits<AdagradOptions> : ZeroInitTraits<AdagradOptions, adagrad_step, 1> {
+struct AlgorithmTraits<AdagradOptions> : ZeroInitTraits<AdagradOptions, AdagradState, adagrad_step, 1> {
   static constexpr const char* name = "Adagrad";
   static void init(const AdagradOptions& o, ParamBuffers& t) {
     const float v = static_cast<float>(o.initial_accumulator_value);
@@ -116,7 +141,7 @@ struct AlgorithmTraits<AdagradOptions> : ZeroInitTraits<AdagradOptions, adagrad_
 using Adagrad = Optimizer<AdagradOptions>;
 
 template <>
-struct AlgorithmTraits<RMSpropOptions> : ZeroInitTraits<RMSpropOptions, rmsprop_step, 1> {
+struct AlgorithmTraits<RMSpropOptions> : ZeroInitTraits<RMSpropOptions, RMSpropState, rmsprop_step, 1> {
   static constexpr const char* name = "RMSprop";
   static bool uses_state(const RMSpropOptions& o, int slot) {
     return slot == RMSpropState::square_avg ||

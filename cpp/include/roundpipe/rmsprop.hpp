@@ -56,6 +56,9 @@ struct RMSpropState {
   enum : int { step = 0 };  // scalar slot: counted as torch does, read by nothing
   /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
   static constexpr auto state_names = std::array{"square_avg", "momentum_buffer", "grad_avg"};
+  /// int8 state (roundpipe/compact.hpp) is allowed; per slot, whether it takes the signed
+  /// dynamic map: square_avg is non-negative; momentum_buffer and grad_avg take either sign.
+  static constexpr auto int8_signed = std::array{false, true, true};
   static constexpr auto scalar_names = std::array{"step"};
 };
 

@@ -57,6 +57,9 @@ struct SGDState {
   enum : int { momentum_buffer_ready = 0 };  // scalar slot (a 0/1 flag, not torch state)
   /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
   static constexpr auto state_names = std::array{"momentum_buffer"};
+  /// int8 state (roundpipe/compact.hpp) is allowed; per slot, whether it takes the signed
+  /// dynamic map: momentum_buffer takes either sign.
+  static constexpr auto int8_signed = std::array{true};
   static constexpr auto scalar_names = std::array{"momentum_buffer_ready"};
 };
 

@@ -36,12 +36,13 @@ struct AdadeltaCoeffs {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-inline void adadelta_kernel(const detail::AdadeltaCoeffs& c, const ParamBuffers& t,
+inline void adadelta_kernel(detail::AdadeltaCoeffs c, ParamBuffers t,
                             std::size_t begin, std::size_t end) {
   float* const square_avg = t.state[AdadeltaState::square_avg];
   float* const acc_delta = t.state[AdadeltaState::acc_delta];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.param, t.grad, square_avg, acc_delta);
     V p = V::load(t.param + i);
     const V g = load_grad(c.grad, t, i, p);
     const V rho = V::set1(c.rho), one_minus_rho = V::set1(c.one_minus_rho), eps = V::set1(c.eps);

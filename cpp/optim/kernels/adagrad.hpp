@@ -32,11 +32,12 @@ struct AdagradCoeffs {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-inline void adagrad_kernel(const detail::AdagradCoeffs& c, const ParamBuffers& t,
+inline void adagrad_kernel(detail::AdagradCoeffs c, ParamBuffers t,
                            std::size_t begin, std::size_t end) {
   float* const sum = t.state[AdagradState::sum];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.param, t.grad, sum);
     V p = V::load(t.param + i);
     const V g = load_grad(c.grad, t, i, p);
     const V s = fmadd(g, g, V::load(sum + i));

@@ -32,13 +32,14 @@ struct AdamCoeffs {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-inline void adam_kernel(const detail::AdamCoeffs& c, const ParamBuffers& t, std::size_t begin,
+inline void adam_kernel(detail::AdamCoeffs c, ParamBuffers t, std::size_t begin,
                         std::size_t end) {
   float* const exp_avg = t.state[AdamState::exp_avg];
   float* const exp_avg_sq = t.state[AdamState::exp_avg_sq];
   float* const max_exp_avg_sq = t.state[AdamState::max_exp_avg_sq];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.param, t.grad, exp_avg, exp_avg_sq);
     auto [p, g, m, v] = update_moments<V>(c.moments, t, exp_avg, exp_avg_sq, i);
     if (c.amsgrad) {
       v = maximum(V::load(max_exp_avg_sq + i), v);

@@ -34,12 +34,13 @@ struct AdamaxCoeffs {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-inline void adamax_kernel(const detail::AdamaxCoeffs& c, const ParamBuffers& t,
+inline void adamax_kernel(detail::AdamaxCoeffs c, ParamBuffers t,
                           std::size_t begin, std::size_t end) {
   float* const exp_avg = t.state[AdamaxState::exp_avg];
   float* const exp_inf = t.state[AdamaxState::exp_inf];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.param, t.grad, exp_avg, exp_inf);
     V p = V::load(t.param + i);
     const V g = load_grad(c.grad, t, i, p);
     V m = V::load(exp_avg + i);

@@ -27,12 +27,6 @@ struct GradStats {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-template <class V>
-inline V& lane_acc(Vec& vec_acc, Scalar& scalar_acc) {
-  if constexpr (std::is_same_v<V, Vec>) return vec_acc;
-  else return scalar_acc;
-}
-
 template <bool Clip, class Load>
 inline void stage_with(Load load, std::size_t n, float inv_scale, float clip, bool norm,
                        float* out, detail::GradStats& stats) {
@@ -84,11 +78,13 @@ inline void stage_grad(const ParamBuffers& t, std::size_t begin, std::size_t n, 
   }
 }
 
-// t.model_copy's elements [begin, begin + n) = t.param's, rounded to t.model_copy_dtype. The
-// copy is a write-only stream: where the ISA has them and the slice is aligned, non-temporal
-// stores write it without first reading its cache lines.
-inline void store_model_copy(const ParamBuffers& t, std::size_t begin, std::size_t n) {
-  const float* p = t.param + begin;
+// t.model_copy's elements [begin, begin + n) = param[0, n) (those elements of the updated
+// parameter), rounded to t.model_copy_dtype. The copy is a write-only stream: where the ISA has
+// them and the slice is aligned, non-temporal stores write it without first reading its cache
+// lines.
+inline void store_model_copy(const ParamBuffers& t, const float* param, std::size_t begin,
+                             std::size_t n) {
+  const float* p = param;
   if (t.model_copy_dtype == Dtype::float32) {
     std::memcpy(static_cast<float*>(t.model_copy) + begin, p, n * sizeof(float));
     return;

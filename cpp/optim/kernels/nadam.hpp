@@ -33,12 +33,13 @@ struct NAdamCoeffs {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-inline void nadam_kernel(const detail::NAdamCoeffs& c, const ParamBuffers& t, std::size_t begin,
+inline void nadam_kernel(detail::NAdamCoeffs c, ParamBuffers t, std::size_t begin,
                          std::size_t end) {
   float* const exp_avg = t.state[NAdamState::exp_avg];
   float* const exp_avg_sq = t.state[NAdamState::exp_avg_sq];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.param, t.grad, exp_avg, exp_avg_sq);
     auto [p, g, m, v] = update_moments<V>(c.moments, t, exp_avg, exp_avg_sq, i);
     const V denom = sqrt(v / V::set1(c.bias_correction2)) + V::set1(c.eps);
     p = p + V::set1(c.grad_coeff) * g / denom;

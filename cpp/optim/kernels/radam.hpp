@@ -38,12 +38,13 @@ struct RAdamCoeffs {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-inline void radam_kernel(const detail::RAdamCoeffs& c, const ParamBuffers& t, std::size_t begin,
+inline void radam_kernel(detail::RAdamCoeffs c, ParamBuffers t, std::size_t begin,
                          std::size_t end) {
   float* const exp_avg = t.state[RAdamState::exp_avg];
   float* const exp_avg_sq = t.state[RAdamState::exp_avg_sq];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.param, t.grad, exp_avg, exp_avg_sq);
     auto [p, g, m, v] = update_moments<V>(c.moments, t, exp_avg, exp_avg_sq, i);
     V update = m / V::set1(c.bias_correction1) * V::set1(c.lr);
     if (c.rectified) {

@@ -44,13 +44,14 @@ struct RMSpropCoeffs {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-inline void rmsprop_kernel(const detail::RMSpropCoeffs& c, const ParamBuffers& t,
+inline void rmsprop_kernel(detail::RMSpropCoeffs c, ParamBuffers t,
                            std::size_t begin, std::size_t end) {
   float* const square_avg = t.state[RMSpropState::square_avg];
   float* const momentum_buffer = t.state[RMSpropState::momentum_buffer];
   float* const grad_avg = t.state[RMSpropState::grad_avg];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.param, t.grad, square_avg);
     V p = V::load(t.param + i);
     const V g = load_grad(c.grad, t, i, p);
     V sa = V::load(square_avg + i) * V::set1(c.alpha);

@@ -44,12 +44,13 @@ inline V rprop_sign(V x) {
   return select(x > zero, V::set1(1.0f), zero) - select(x < zero, V::set1(1.0f), zero);
 }
 
-inline void rprop_kernel(const detail::RpropCoeffs& c, const ParamBuffers& t, std::size_t begin,
+inline void rprop_kernel(detail::RpropCoeffs c, ParamBuffers t, std::size_t begin,
                          std::size_t end) {
   float* const prev = t.state[RpropState::prev];
   float* const step_size = t.state[RpropState::step_size];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.param, t.grad, prev, step_size);
     const V zero = V::set1(0.0f);
     const V etaminus = V::set1(c.etaminus);
     const V p = V::load(t.param + i);

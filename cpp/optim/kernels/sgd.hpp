@@ -35,11 +35,12 @@ struct SGDCoeffs {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-inline void sgd_kernel(const detail::SGDCoeffs& c, const ParamBuffers& t, std::size_t begin,
+inline void sgd_kernel(detail::SGDCoeffs c, ParamBuffers t, std::size_t begin,
                        std::size_t end) {
   float* const buf = t.state[SGDState::momentum_buffer];
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.param, t.grad);
     V p = V::load(t.param + i);
     V g = load_grad(c.grad, t, i, p);
     if (c.use_momentum) {

@@ -25,6 +25,8 @@ template <int States>
 inline void stream_kernel_n(const ParamBuffers& t, std::size_t begin, std::size_t end) {
   for_range(begin, end, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    prefetch_streams<V>(i, t.param, t.grad);
+    for (int k = 0; k < States; ++k) prefetch_streams<V>(i, t.state[k]);
     V s = V::load(t.param + i) + V::load(t.grad + i);
     for (int k = 0; k < States; ++k) s = s + V::load(t.state[k] + i);
     s.store(t.param + i);
@@ -32,7 +34,7 @@ inline void stream_kernel_n(const ParamBuffers& t, std::size_t begin, std::size_
   });
 }
 
-inline void stream_kernel(const detail::StreamCoeffs& c, const ParamBuffers& t, std::size_t begin,
+inline void stream_kernel(detail::StreamCoeffs c, ParamBuffers t, std::size_t begin,
                           std::size_t end) {
   switch (c.states) {
     case 0: return stream_kernel_n<0>(t, begin, end);

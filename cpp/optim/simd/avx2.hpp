@@ -28,6 +28,9 @@ struct Vec {
   // Non-temporal versions (p 16-byte aligned): for a write-only stream, no read for ownership.
   void stream_bf16(std::uint16_t* p) const { store16(p, bf16_bits(), true); }
   void stream_f16(std::uint16_t* p) const { store16(p, f16_bits(), true); }
+  // Non-temporal float32 store (p 32-byte aligned), for a write-only stream.
+  void stream(float* p) const { _mm256_stream_ps(p, v); }
+  static constexpr std::size_t stream_f32_align = 32;
   // Orders this thread's non-temporal stores before what follows.
   static void stream_fence() { _mm_sfence(); }
   static constexpr std::size_t stream_align = 16;
@@ -55,6 +58,57 @@ struct Vec {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
   }
 
+  // Compact storage: as Scalar's (scalar.hpp), 8 lanes.
+  struct Bits {
+    __m256i v;
+  };
+  static Bits random_bits(std::uint32_t key, std::uint32_t first) {
+    const __m256i lanes = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    __m256i x = _mm256_xor_si256(
+        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)), lanes),
+        _mm256_set1_epi32(static_cast<int>(key)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    return {x};
+  }
+  Vec round_bf16_stochastic(Bits r, int shift) const {
+    const __m256i add = _mm256_and_si256(_mm256_srl_epi32(r.v, _mm_cvtsi32_si128(shift)),
+                                         _mm256_set1_epi32(0xffff));
+    const __m256i u = _mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(v), add),
+                                       _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+    return {_mm256_blendv_ps(_mm256_castsi256_ps(u), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q))};
+  }
+  void store_bf16_stochastic(std::uint16_t* p, Bits r) const {
+    const __m256i add = _mm256_and_si256(r.v, _mm256_set1_epi32(0xffff));
+    __m256i u = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v), add), 16);
+    u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc0),
+                           _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    store16(p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)), false);
+  }
+  static Vec load_u8(const std::uint8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))};
+  }
+  void store_u8(std::uint8_t* p) const {
+    // byte 0 of every 32-bit lane, within each 128-bit half, then the two halves' 4 bytes
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, -1, -1);
+    const __m256i b = _mm256_shuffle_epi8(_mm256_cvttps_epi32(v), pick);
+    const __m128i out = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), out);
+  }
+  static Vec lookup(const float* table, Vec index) {
+    return {_mm256_i32gather_ps(table, _mm256_cvttps_epi32(index.v), 4)};
+  }
+  static Vec lookup8(const float* table, Vec index) {
+    return {_mm256_permutevar8x32_ps(_mm256_loadu_ps(table), _mm256_cvttps_epi32(index.v))};
+  }
+  static bool any(Mask m) { return _mm256_movemask_ps(m.m) != 0; }
+
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
   friend Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
@@ -63,6 +117,8 @@ struct Vec {
 
   friend Mask operator<(Vec a, Vec b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ)}; }
   friend Mask operator>(Vec a, Vec b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)}; }
+  friend Mask operator>=(Vec a, Vec b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_GE_OQ)}; }
+  friend Mask operator<=(Vec a, Vec b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_LE_OQ)}; }
   friend Mask operator==(Vec a, Vec b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)}; }
   friend Mask operator!=(Vec a, Vec b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_NEQ_UQ)}; }
 };
@@ -71,6 +127,7 @@ inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)};
 inline Vec sqrt(Vec a) { return {_mm256_sqrt_ps(a.v)}; }
 inline Vec abs(Vec a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.0f), a.v)}; }
 inline Vec select(Vec::Mask m, Vec a, Vec b) { return {_mm256_blendv_ps(b.v, a.v, m.m)}; }
+inline Vec floor(Vec a) { return {_mm256_floor_ps(a.v)}; }
 // max_ps(a, b) yields b when either is NaN; patch the lanes where a is NaN.
 inline Vec maximum(Vec a, Vec b) {
   return select({_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)}, a, {_mm256_max_ps(a.v, b.v)});

@@ -28,6 +28,9 @@ struct Vec {
   // Non-temporal versions (p 32-byte aligned): for a write-only stream, no read for ownership.
   void stream_bf16(std::uint16_t* p) const { store16(p, bf16_bits(), true); }
   void stream_f16(std::uint16_t* p) const { store16(p, f16_bits(), true); }
+  // Non-temporal float32 store (p 64-byte aligned), for a write-only stream.
+  void stream(float* p) const { _mm512_stream_ps(p, v); }
+  static constexpr std::size_t stream_f32_align = 64;
   // Orders this thread's non-temporal stores before what follows.
   static void stream_fence() { _mm_sfence(); }
   static constexpr std::size_t stream_align = 32;
@@ -54,6 +57,54 @@ struct Vec {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
 
+  // Compact storage: as Scalar's (scalar.hpp), 16 lanes.
+  struct Bits {
+    __m512i v;
+  };
+  static Bits random_bits(std::uint32_t key, std::uint32_t first) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i x = _mm512_xor_si512(
+        _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)), lanes),
+        _mm512_set1_epi32(static_cast<int>(key)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    return {x};
+  }
+  Vec round_bf16_stochastic(Bits r, int shift) const {
+    const __m512i add = _mm512_and_si512(_mm512_srl_epi32(r.v, _mm_cvtsi32_si128(shift)),
+                                         _mm512_set1_epi32(0xffff));
+    const __m512i u = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(v), add),
+                                       _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+    return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(u), v)};
+  }
+  // round_bf16_stochastic(r, 0) stored as bfloat16: the bits directly.
+  void store_bf16_stochastic(std::uint16_t* p, Bits r) const {
+    const __m512i add = _mm512_and_si512(r.v, _mm512_set1_epi32(0xffff));
+    __m512i u = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(v), add), 16);
+    u = _mm512_mask_mov_epi32(u, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    store16(p, _mm512_cvtepi32_epi16(u), false);
+  }
+  static Vec load_u8(const std::uint8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))};
+  }
+  void store_u8(std::uint8_t* p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(v)));
+  }
+  static Vec lookup(const float* table, Vec index) {
+    return {_mm512_i32gather_ps(_mm512_cvttps_epi32(index.v), table, 4)};
+  }
+  // table[index] for an 8-entry table (index exact, 0 .. 7): a permute within registers.
+  static Vec lookup8(const float* table, Vec index) {
+    const __m512 t = _mm512_castps256_ps512(_mm256_loadu_ps(table));
+    return {_mm512_permutexvar_ps(_mm512_cvttps_epi32(index.v), t)};
+  }
+  // Whether any lane of a mask is set.
+  static bool any(Mask m) { return m.m != 0; }
+
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
   friend Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -65,6 +116,8 @@ struct Vec {
 
   friend Mask operator<(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ)}; }
   friend Mask operator>(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ)}; }
+  friend Mask operator>=(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_GE_OQ)}; }
+  friend Mask operator<=(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ)}; }
   friend Mask operator==(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ)}; }
   friend Mask operator!=(Vec a, Vec b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_NEQ_UQ)}; }
 };
@@ -76,6 +129,9 @@ inline Vec abs(Vec a) {
                                                _mm512_set1_epi32(INT32_MAX)))};
 }
 inline Vec select(Vec::Mask m, Vec a, Vec b) { return {_mm512_mask_blend_ps(m.m, b.v, a.v)}; }
+inline Vec floor(Vec a) {
+  return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
+}
 // max_ps(a, b) yields b when either is NaN; patch the lanes where a is NaN.
 inline Vec maximum(Vec a, Vec b) {
   return select({_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q)}, a, {_mm512_max_ps(a.v, b.v)});

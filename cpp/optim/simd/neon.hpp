@@ -33,6 +33,8 @@ struct Vec {
   // No non-temporal stores here: the plain ones.
   void stream_bf16(std::uint16_t* p) const { store_bf16(p); }
   void stream_f16(std::uint16_t* p) const { store_f16(p); }
+  void stream(float* p) const { store(p); }
+  static constexpr std::size_t stream_f32_align = 1;
   // Orders this thread's non-temporal stores before what follows.
   static void stream_fence() {  }
   static constexpr std::size_t stream_align = 1;
@@ -43,6 +45,54 @@ struct Vec {
     vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v)));
   }
 
+  // Compact storage: as Scalar's (scalar.hpp), 4 lanes.
+  struct Bits {
+    uint32x4_t v;
+  };
+  static Bits random_bits(std::uint32_t key, std::uint32_t first) {
+    const uint32_t lane_init[4] = {0, 1, 2, 3};
+    uint32x4_t x = veorq_u32(vaddq_u32(vdupq_n_u32(first), vld1q_u32(lane_init)), vdupq_n_u32(key));
+    x = veorq_u32(x, vshrq_n_u32(x, 16));
+    x = vmulq_u32(x, vdupq_n_u32(0x7feb352du));
+    x = veorq_u32(x, vshrq_n_u32(x, 15));
+    x = vmulq_u32(x, vdupq_n_u32(0x846ca68bu));
+    x = veorq_u32(x, vshrq_n_u32(x, 16));
+    return {x};
+  }
+  Vec round_bf16_stochastic(Bits r, int shift) const {
+    const uint32x4_t add = vandq_u32(vshlq_u32(r.v, vdupq_n_s32(-shift)), vdupq_n_u32(0xffff));
+    const uint32x4_t u = vandq_u32(vaddq_u32(vreinterpretq_u32_f32(v), add), vdupq_n_u32(0xffff0000u));
+    return {vbslq_f32(vceqq_f32(v, v), vreinterpretq_f32_u32(u), v)};
+  }
+  void store_bf16_stochastic(std::uint16_t* p, Bits r) const {
+    const uint32x4_t add = vandq_u32(r.v, vdupq_n_u32(0xffff));
+    const uint16x4_t u = vshrn_n_u32(vaddq_u32(vreinterpretq_u32_f32(v), add), 16);
+    const uint16x4_t nan = vmovn_u32(vmvnq_u32(vceqq_f32(v, v)));
+    vst1_u16(p, vbsl_u16(nan, vdup_n_u16(0x7fc0), u));
+  }
+  static Vec load_u8(const std::uint8_t* p) {
+    std::uint32_t four;
+    std::memcpy(&four, p, 4);
+    const uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(four));
+    return {vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(b))))};
+  }
+  void store_u8(std::uint8_t* p) const {
+    const uint16x4_t h = vmovn_u32(vcvtq_u32_f32(v));
+    const uint8x8_t b = vmovn_u16(vcombine_u16(h, h));
+    const std::uint32_t four = vget_lane_u32(vreinterpret_u32_u8(b), 0);
+    std::memcpy(p, &four, 4);
+  }
+  static Vec lookup(const float* table, Vec index) {
+    const uint32x4_t i = vcvtq_u32_f32(index.v);
+    float32x4_t r = vdupq_n_f32(table[vgetq_lane_u32(i, 0)]);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(i, 1)], r, 1);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(i, 2)], r, 2);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(i, 3)], r, 3);
+    return {r};
+  }
+  static Vec lookup8(const float* table, Vec index) { return lookup(table, index); }
+  static bool any(Mask m) { return vmaxvq_u32(m.m) != 0; }
+
   friend Vec operator+(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {vsubq_f32(a.v, b.v)}; }
   friend Vec operator*(Vec a, Vec b) { return {vmulq_f32(a.v, b.v)}; }
@@ -51,6 +101,8 @@ struct Vec {
 
   friend Mask operator<(Vec a, Vec b) { return {vcltq_f32(a.v, b.v)}; }
   friend Mask operator>(Vec a, Vec b) { return {vcgtq_f32(a.v, b.v)}; }
+  friend Mask operator>=(Vec a, Vec b) { return {vcgeq_f32(a.v, b.v)}; }
+  friend Mask operator<=(Vec a, Vec b) { return {vcleq_f32(a.v, b.v)}; }
   friend Mask operator==(Vec a, Vec b) { return {vceqq_f32(a.v, b.v)}; }
   friend Mask operator!=(Vec a, Vec b) { return {vmvnq_u32(vceqq_f32(a.v, b.v))}; }
 };
@@ -59,6 +111,7 @@ inline Vec fmadd(Vec a, Vec b, Vec c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
 inline Vec sqrt(Vec a) { return {vsqrtq_f32(a.v)}; }
 inline Vec abs(Vec a) { return {vabsq_f32(a.v)}; }
 inline Vec select(Vec::Mask m, Vec a, Vec b) { return {vbslq_f32(m.m, a.v, b.v)}; }
+inline Vec floor(Vec a) { return {vrndmq_f32(a.v)}; }
 // vmaxq/vminq already propagate NaN from either operand, as torch.maximum does.
 inline Vec maximum(Vec a, Vec b) { return {vmaxq_f32(a.v, b.v)}; }
 inline Vec minimum(Vec a, Vec b) { return {vminq_f32(a.v, b.v)}; }

@@ -33,8 +33,35 @@ struct Scalar {
   void stream_bf16(std::uint16_t* p) const { store_bf16(p); }
   void stream_f16(std::uint16_t* p) const { store_f16(p); }
   static void stream_fence() {}
+  void stream(float* p) const { *p = v; }
+  static constexpr std::size_t stream_f32_align = 1;
   static constexpr std::size_t stream_align = 1;
   static Scalar set1(float x) { return {x}; }
+
+  // Compact storage (kernels/compact.hpp): 32 random bits per lane, stochastic rounding to
+  // bfloat16, 8-bit codes, table lookups.
+  using Bits = std::uint32_t;
+  // hash32((first + lane) ^ key): lane i's bits for element `first + i` of a stream `key`.
+  static Bits random_bits(std::uint32_t key, std::uint32_t first);
+  // The value rounded to a bfloat16 stochastically (returned as the float it equals): the 16
+  // bits (r >> shift) & 0xffff are added to the float's bit pattern, which is then cut to its
+  // top 16 bits, so it rounds away from zero with probability (dropped bits) / 2^16 and the
+  // expected result is the value itself. inf stays inf; NaN stays NaN; a value that rounds up
+  // past the largest bfloat16 becomes inf.
+  Scalar round_bf16_stochastic(Bits r, int shift) const;
+  // round_bf16_stochastic(r, 0) stored as bfloat16: the bits directly.
+  void store_bf16_stochastic(std::uint16_t* p, Bits r) const;
+  // One byte <-> a float holding its value (0 .. 255; stored values must be such integers).
+  static Scalar load_u8(const std::uint8_t* p) { return {static_cast<float>(*p)}; }
+  void store_u8(std::uint8_t* p) const { *p = static_cast<std::uint8_t>(v); }
+  // table[index] per lane; index holds exact non-negative integers.
+  static Scalar lookup(const float* table, Scalar index) {
+    return {table[static_cast<std::uint32_t>(index.v)]};
+  }
+  // table[index] for an 8-entry table (a register permute on the vector ISAs).
+  static Scalar lookup8(const float* table, Scalar index) { return lookup(table, index); }
+  // Whether any lane of a mask is set.
+  static bool any(Mask m) { return m; }
 
   friend Scalar operator+(Scalar a, Scalar b) { return {a.v + b.v}; }
   friend Scalar operator-(Scalar a, Scalar b) { return {a.v - b.v}; }
@@ -44,6 +71,8 @@ struct Scalar {
 
   friend Mask operator<(Scalar a, Scalar b) { return a.v < b.v; }
   friend Mask operator>(Scalar a, Scalar b) { return a.v > b.v; }
+  friend Mask operator>=(Scalar a, Scalar b) { return a.v >= b.v; }
+  friend Mask operator<=(Scalar a, Scalar b) { return a.v <= b.v; }
   friend Mask operator==(Scalar a, Scalar b) { return a.v == b.v; }
   friend Mask operator!=(Scalar a, Scalar b) { return a.v != b.v; }
 };
@@ -66,6 +95,18 @@ inline Scalar minimum(Scalar a, Scalar b) {
   return {(a.v != a.v || a.v < b.v) ? a.v : b.v};
 }
 inline Scalar select(bool m, Scalar a, Scalar b) { return m ? a : b; }
+inline Scalar floor(Scalar a) { return {__builtin_floorf(a.v)}; }
+
+// A 32-bit integer hash with good avalanche ("lowbias32", from Chris Wellons' hash prospector):
+// the stochastic-rounding bits of every ISA, lane for lane the same.
+inline std::uint32_t hash32(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
 
 // Float <-> 16-bit conversions, exact (widening) or rounded to nearest even (narrowing), as
 // torch's .to(torch.bfloat16) / .to(torch.float16): a NaN becomes the quiet NaN 0x7fc0 (bf16, as
@@ -116,6 +157,18 @@ inline void Scalar::store_f16(std::uint16_t* p) const {
     h = 0;                                         // below half of 2^-24: zero
   }
   *p = static_cast<std::uint16_t>(sign | h);
+}
+
+inline Scalar::Bits Scalar::random_bits(std::uint32_t key, std::uint32_t first) {
+  return hash32(first ^ key);
+}
+inline void Scalar::store_bf16_stochastic(std::uint16_t* p, Bits r) const {
+  *p = v != v ? static_cast<std::uint16_t>(0x7fc0u)
+              : static_cast<std::uint16_t>((float_bits(v) + (r & 0xffffu)) >> 16);
+}
+inline Scalar Scalar::round_bf16_stochastic(Bits r, int shift) const {
+  if (v != v) return *this;
+  return {bits_float((float_bits(v) + ((r >> shift) & 0xffffu)) & 0xffff0000u)};
 }
 
 }  // namespace ROUNDPIPE_ISA_NS

@@ -4,7 +4,9 @@
 (:mod:`roundpipe.bench.pipeline`); ``python -m roundpipe.bench overhead [options]``: the fixed
 cost of one training call on a tiny model (:mod:`roundpipe.bench.overhead`);
 ``python -m roundpipe.bench distributed [options]``: data parallel ranks, communication and
-how much of it is hidden (:mod:`roundpipe.bench.distributed`)."""
+how much of it is hidden (:mod:`roundpipe.bench.distributed`);
+``python -m roundpipe.bench memory [options]``: host bytes per parameter, step speed and
+convergence of each compact-storage option (:mod:`roundpipe.bench.memory`)."""
 
 import sys
 
@@ -23,5 +25,9 @@ if __name__ == "__main__":
         from .distributed import main as distributed_main
 
         distributed_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "memory":
+        from .memory import main as memory_main
+
+        memory_main(sys.argv[2:])
     else:
         main()

@@ -2,7 +2,8 @@
 
 - the floor: ``roundpipe._C.stream_step``, which moves exactly the algorithm's bytes per element
   (reads param, grad and each state array; writes param and each state array) with one add per
-  element, on the same threads and ISA as our optimizers;
+  element, on the same threads and ISA as our optimizers, over the same tensors through the same
+  per-tensor checks (:mod:`roundpipe.bench.floors`);
 - ``roundpipe.optim.X``;
 - ``torch.optim.X`` with ``foreach=False``, ``foreach=True`` and, where torch has one, ``fused=True``.
 
@@ -38,10 +39,13 @@ from roundpipe import _C
 
 from . import (MIN_REPEATS, Figure, available_cpus, compare, human, interleave, paired_ratio,
                positive_float, positive_int, repeats_arg, timed, writable_path)
+from .cpu import cpu_model
+from .floors import floor_step, matrix_shape
 
 # name -> (roundpipe class, torch class, whether torch has fused=True for CPU)
 ALGORITHMS = {
     "Adadelta": (rpo.Adadelta, torch.optim.Adadelta, False),
+    "Adafactor": (rpo.Adafactor, torch.optim.Adafactor, False),
     "Adagrad": (rpo.Adagrad, torch.optim.Adagrad, True),
     "Adam": (rpo.Adam, torch.optim.Adam, True),
     "AdamW": (rpo.AdamW, torch.optim.AdamW, True),
@@ -55,13 +59,18 @@ ALGORITHMS = {
 }
 # SGD with torch's default momentum 0 keeps no state; the benchmark uses momentum 0.9.
 KWARGS = {"SGD": dict(momentum=0.9)}
+# Adafactor factors the second moment of matrices: its tensors are matrices of the layout's
+# sizes, and its floor two streaming passes (roundpipe.bench.floors)
+MATRICES = {"Adafactor"}
 LAYOUTS = {"50M": (1, 50_000_000), "200x250k": (200, 250_000), "20000x1k": (20_000, 1_000)}
 
 
-def _params(count: int, size: int, gen: torch.Generator) -> list[torch.nn.Parameter]:
-    ps = [torch.nn.Parameter(torch.rand(size, generator=gen) - 0.5) for _ in range(count)]
+def _params(count: int, size: int, gen: torch.Generator,
+            matrix: bool = False) -> list[torch.nn.Parameter]:
+    shape = matrix_shape(size) if matrix else (size,)
+    ps = [torch.nn.Parameter(torch.rand(shape, generator=gen) - 0.5) for _ in range(count)]
     for p in ps:
-        p.grad = torch.rand(size, generator=gen) - 0.5
+        p.grad = torch.rand(shape, generator=gen) - 0.5
     return ps
 
 
@@ -76,19 +85,13 @@ def _contenders(name: str, count: int, size: int, gen: torch.Generator) -> dict:
     """name -> a zero-argument callable doing one step, each on its own tensors."""
     ours_cls, torch_cls, has_fused = ALGORITHMS[name]
     kwargs = dict(lr=1e-3, **KWARGS.get(name, {}))
-    base = _params(count, size, gen)
+    base = _params(count, size, gen, matrix=name in MATRICES)
     ours = ours_cls(base, **kwargs)
     ours.step()  # creates the state
     states = [k for k, v in ours.state[base[0]].items() if torch.is_tensor(v) and v.dim() > 0]
-    floor_states = [[ours.state[p][k].clone() for p in base] for k in states]
-    floor_params = _clone(base)
-    floor_opts = _C.StreamOptions()
-    floor_opts.states = len(states)
-    steps = {
-        "floor": lambda: _C.stream_step(floor_opts, floor_params, [p.grad for p in floor_params],
-                                        floor_states, []),
-        "roundpipe": ours.step,
-    }
+    floor, bytes_per_element = (floor_step(_clone(base), 0, passes=2) if name in MATRICES
+                                else floor_step(_clone(base), len(states)))
+    steps = {"floor": floor, "roundpipe": ours.step}
     variants = {"torch foreach=False": dict(foreach=False), "torch foreach=True": dict(foreach=True)}
     if has_fused:
         variants["torch fused=True"] = dict(fused=True)
@@ -96,7 +99,7 @@ def _contenders(name: str, count: int, size: int, gen: torch.Generator) -> dict:
         opt = torch_cls(_clone(base), **kwargs, **extra)
         opt.step()
         steps[label] = opt.step
-    return steps, len(states)
+    return steps, bytes_per_element
 
 
 def _mixed_contenders(name: str, count: int, size: int, gen: torch.Generator):
@@ -154,7 +157,10 @@ def layout_label(count: int, size: int) -> str:
 
 
 def _measure(steps: dict, repeats: int, elements: int) -> dict[str, list[float]]:
-    """ns per element of every step, per repeat, interleaved."""
+    """ns per element of every step, per repeat, interleaved, after one untimed step each (the
+    first step creates the state and, for ours, the param group's step plan)."""
+    for fn in steps.values():
+        fn()
     times = interleave({k: timed(fn) for k, fn in steps.items()}, repeats)
     return {k: [1e9 * t / elements for t in v] for k, v in times.items()}
 
@@ -204,9 +210,12 @@ Columns (ns = nanoseconds per parameter element per step, the median over the re
               elements, 200x250k = 200 tensors of 250k elements
   B/el        bytes the step must move per element: reads of the parameter, the gradient and
               each state array and writes of the parameter and each state array, 4 bytes each
-              in float32 (Adam: read p, g, m, v and write p, m, v: 7 x 4 = 28)
+              in float32 (Adam: read p, g, m, v and write p, m, v: 7 x 4 = 28; Adafactor, on
+              matrices, reads the gradient three times: 24)
   floor ns    a streaming kernel (roundpipe._C.stream_step) moving exactly B/el bytes per
-              element with one add, on the same threads and ISA: the memory-bandwidth floor
+              element with one add, on the same threads and ISA, over the same tensors through
+              the same per-tensor checks as our step: the memory-bandwidth floor (on many small
+              tensors, plus what any step over them pays per tensor)
   ours ns     roundpipe.optim.<algorithm>.step()
   spr         (max - min) / median of the column before it, over the repeats
   GB/s        B/el / ours ns: the memory bandwidth our step reaches
@@ -252,6 +261,8 @@ def run_mixed(algorithms, layout: str, repeats: int, scale: float, log=print) ->
     gen = torch.Generator().manual_seed(1)
     rows = []
     for name in algorithms:
+        if name in MATRICES:  # three passes: not the one-pass comparison this table makes
+            continue
         steps, fused_bytes, separate_bytes = _mixed_contenders(name, count, size, gen)
         row = _row(name, layout, count, size, fused_bytes,
                    _measure(steps, repeats, count * size), "fused")
@@ -266,7 +277,7 @@ def thread_setup(threads: int) -> dict:
     """The threads this benchmark runs with, as they are set (not as asked)."""
     return {"torch_intra_op": torch.get_num_threads(), "roundpipe_pool": rpo.num_threads(),
             "device_workers": 0, "cpus_available": available_cpus(), "isa": rpo.active_isa(),
-            "threads_arg": threads}
+            "cpu": cpu_model(), "threads_arg": threads}
 
 
 def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print,
@@ -279,8 +290,8 @@ def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print
     for layout in layouts:
         count, size = layout_shape(layout, scale)
         for name in algorithms:
-            steps, n_states = _contenders(name, count, size, gen)
-            row = _row(name, layout, count, size, 4 * (2 * n_states + 3),
+            steps, bytes_per_element = _contenders(name, count, size, gen)
+            row = _row(name, layout, count, size, bytes_per_element,
                        _measure(steps, repeats, count * size), "roundpipe")
             rows.append(row)
             log(format_row(row))
@@ -320,7 +331,8 @@ def main(argv=None) -> None:
     rpo.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     t = thread_setup(args.threads)
-    print(f"RoundPipe optimizer benchmark: ISA {t['isa']}; threads: roundpipe.optim pool "
+    print(f"RoundPipe optimizer benchmark on {cpu_model()}: ISA {t['isa']}; threads: "
+          f"roundpipe.optim pool "
           f"{t['roundpipe_pool']}, torch intra-op {t['torch_intra_op']} (both --threads), no "
           f"RoundPipe device workers; {t['cpus_available']} CPUs available; median of "
           f"{args.repeats} interleaved repeats")

@@ -16,6 +16,7 @@ from .._C import active_isa, num_threads, set_isa, set_num_threads, supported_is
 # listing the supported ISAs) rather than at the first step.
 active_isa()
 from .adadelta import Adadelta
+from .adafactor import Adafactor
 from .adagrad import Adagrad
 from .adam import Adam
 from .adamax import Adamax
@@ -30,6 +31,7 @@ from .sgd import SGD
 __all__ = [
     "ASGD",
     "Adadelta",
+    "Adafactor",
     "Adagrad",
     "Adam",
     "AdamW",

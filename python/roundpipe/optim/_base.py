@@ -1,6 +1,7 @@
 """What every ``roundpipe.optim`` class shares: the compatibility placeholders, scalar
 hyperparameters given as tensors, torch.optim's hyperparameter checks (same conditions, same
-messages), and gathering a parameter group into the lists one C++ call takes."""
+messages), compact storage (bfloat16 parameters, bfloat16 or int8 state; :mod:`.compact`), and
+gathering a parameter group into the lists one C++ call takes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch.autograd.graph import increment_version
 from torch.optim import Optimizer
 
 from .. import _C
-from ..host_buffers import host_zeros
+from . import compact
 
 
 def scalar(x: Any) -> float:
@@ -116,17 +117,41 @@ class CpuOptimizer(Optimizer):
     ``foreach`` and ``fused`` are accepted and ignored with a ``UserWarning`` (the group keeps
     ``None``); ``capturable=True`` or ``differentiable=True`` is a ``ValueError``, also when it
     comes from a loaded state dict.
+
+    Compact storage (keyword-only arguments of every class; :mod:`roundpipe.optim.compact`):
+
+    - ``state_dtype``: ``torch.float32`` (default: torch's state, bit for bit),
+      ``torch.bfloat16`` (per-element state stored in bfloat16, rounded stochastically, math
+      in float32) or ``"int8"`` (8-bit blockwise, the dynamic maps of 8-bit Adam, one float32
+      absmax per 256 elements; for the algorithms listing ``_int8_signed`` and parameters of
+      at least 4096 elements, smaller ones keeping float32). The state is read and written in
+      its compact form by the one pass of the step; no float32 copy of it exists.
+    - ``stochastic_rounding``: accept bfloat16 parameters ("master weights" kept in bfloat16):
+      read, updated in float32, stored with stochastic rounding (the expected stored value is
+      the float32 update). False (default): parameters must be float32, as without it.
+    - ``seed``: the rounding bits' seed (an int; None: drawn from torch's global generator,
+      so ``torch.manual_seed`` fixes it). The bits of a parameter at a step depend only on
+      the seed, the parameter's position in the optimizer and its step count (for SGD, the
+      optimizer's count of kernel calls): the same on every thread count.
+
+    A subclass that allows int8 state declares ``_int8_signed`` (state key -> whether its
+    values take either sign: the signed map, else the unsigned one).
     """
 
     _kernel: Callable[..., None]
     _state_keys: tuple[str, ...] = ()
+    _int8_signed: dict[str, bool] = {}
     _scalar_keys: tuple[str, ...] = ("step",)
     # options the torch class's __setstate__ adds to param groups of old checkpoints
     _group_defaults: dict[str, Any] = {"foreach": None, "maximize": False,
                                        "differentiable": False, "capturable": False}
 
-    def __init__(self, params, defaults: dict[str, Any]) -> None:
+    def __init__(self, params, defaults: dict[str, Any], *, state_dtype: Any = torch.float32,
+                 stochastic_rounding: bool = False, seed: Optional[int] = None) -> None:
         name = type(self).__name__
+        self._memory = compact.Memory.create(f"roundpipe.optim.{name}", state_dtype,
+                                             stochastic_rounding, seed,
+                                             int8_allowed=bool(self._int8_signed))
         for flag in ("foreach", "fused"):
             if defaults.get(flag):
                 warnings.warn(
@@ -136,7 +161,7 @@ class CpuOptimizer(Optimizer):
                     stacklevel=3,
                 )
                 defaults[flag] = None
-        self._check_placeholders(defaults)
+        self._check_group(defaults)
         super().__init__(params, defaults)
 
     @property
@@ -159,23 +184,70 @@ class CpuOptimizer(Optimizer):
             n = value
         self._num_threads = n
 
-    def _check_placeholders(self, group: dict[str, Any]) -> None:
+    @property
+    def state_dtype(self) -> Any:
+        """How per-element state is stored: ``torch.float32``, ``torch.bfloat16`` or
+        ``"int8"`` (set at construction)."""
+        return self._memory.state_dtype
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """Whether bfloat16 parameters are accepted (stored with stochastic rounding)."""
+        return self._memory.stochastic_rounding
+
+    @property
+    def seed(self) -> int:
+        """The seed of the stochastic rounding bits."""
+        return self._memory.seed
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Refuses what a group may not ask for, before anything is stepped: capturable or
+        differentiable (and what a subclass adds)."""
         for flag in ("capturable", "differentiable"):
             if group.get(flag):
                 raise ValueError(
                     f"roundpipe.optim.{type(self).__name__} does not support {flag}=True"
                 )
 
+    def state_dict(self, *, state_dtype: Any = None) -> dict[str, Any]:
+        """As ``torch.optim.Optimizer.state_dict``: the state as it is kept (references, as in
+        torch). Compact state appears as kept: bfloat16 tensors, or for int8 state the uint8
+        codes under the state's key (shaped like the parameter) and their float32 block
+        maxima under ``<key>_absmax`` (one per 256 elements): all :meth:`load_state_dict`
+        needs to restore it exactly.
+
+        Args:
+            state_dtype: None (as kept) or ``torch.float32``: every per-element state tensor
+                converted to float32 (new tensors, ``_absmax`` entries dropped), the layout
+                the ``torch.optim`` class of the same name loads.
+
+        Raises:
+            ValueError: another ``state_dtype``.
+        """
+        sd = super().state_dict()
+        if state_dtype is None:
+            return sd
+        if state_dtype is not torch.float32:
+            raise ValueError(f"roundpipe.optim.{type(self).__name__}.state_dict: state_dtype "
+                             f"must be None or torch.float32, got {state_dtype!r}")
+        sd["state"] = {pid: compact.as_float32(st, self._state_keys, self._int8_signed)
+                       for pid, st in sd["state"].items()}
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``; 0-dim state saved in another dtype (an
         int64 or float64 ``step``, which torch keeps as it is) is converted to the float32 the
-        kernels keep, so the next steps compute what torch computes from it.
+        kernels keep, so the next steps compute what torch computes from it. Per-element state
+        in any form (float32 or another float dtype, bfloat16, int8 codes with their
+        ``_absmax``) is converted to this optimizer's ``state_dtype``, one tensor at a time.
 
         Raises:
             ValueError: (before anything changes) a per-element state tensor's shape differs from
-                its parameter's; the kernels compare only element and dimension counts.
+                its parameter's (the kernels compare only element and dimension counts), or int8
+                codes come without their ``_absmax`` of the right length.
         """
         saved_groups = state_dict.get("param_groups", [])
+        by_id: dict = {}
         if len(saved_groups) == len(self.param_groups):
             by_id = {saved: p for sg, g in zip(saved_groups, self.param_groups)
                      for saved, p in zip(sg["params"], g["params"])}
@@ -183,12 +255,42 @@ class CpuOptimizer(Optimizer):
                 p = by_id.get(saved)
                 for key in self._state_keys:
                     v = p_state.get(key) if p is not None else None
-                    if torch.is_tensor(v) and v.shape != p.shape:
+                    if torch.is_tensor(v) and v.shape != self._state_shape(p, key):
                         raise ValueError(
                             f"roundpipe.optim.{type(self).__name__}.load_state_dict: state "
-                            f"{key!r} of parameter {saved} has shape {tuple(v.shape)}, the "
-                            f"parameter {tuple(p.shape)}")
-        super().load_state_dict(state_dict)  # ends with __setstate__, which converts 0-dim state
+                            f"{key!r} of parameter {saved} has shape {tuple(v.shape)}, "
+                            f"expected {tuple(self._state_shape(p, key))} (the parameter's "
+                            f"{tuple(p.shape)})")
+                    if torch.is_tensor(v) and v.dtype == torch.uint8:
+                        compact.check_absmax(f"roundpipe.optim.{type(self).__name__}."
+                                             "load_state_dict", saved, key, p_state, v)
+        # State that torch's loading would cast to the parameter's dtype (int8 codes, state of
+        # a bfloat16 parameter, state to be kept compactly) is held back and converted here.
+        held: dict = {}
+        light = dict(state_dict)
+        light["state"] = {}
+        for saved, p_state in state_dict.get("state", {}).items():
+            p = by_id.get(saved)
+            keep = {}
+            for key, v in p_state.items():
+                if p is not None and compact.held_back(self._memory, p, key, v, self._state_keys,
+                                                       self._int8_signed):
+                    held.setdefault(saved, {})[key] = v
+                else:
+                    keep[key] = v
+            light["state"][saved] = keep
+        super().load_state_dict(light)  # ends with __setstate__, which converts 0-dim state
+        for saved, values in held.items():
+            p = by_id[saved]
+            st = self.state[p]
+            for key in self._state_keys:
+                if key in values:
+                    compact.store(self._memory, p, st, key, values, self._int8_signed)
+        for p, st in self.state.items():  # state kept as loaded, in this optimizer's format
+            if torch.is_tensor(p):
+                for key in self._state_keys:
+                    if key in st:
+                        compact.store(self._memory, p, st, key, st, self._int8_signed)
 
     def _scalar_state_to_tensors(self) -> None:
         """0-dim state as the kernels keep it, float32 tensors: Python numbers (old checkpoints;
@@ -205,22 +307,54 @@ class CpuOptimizer(Optimizer):
     def _active_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._state_keys
 
+    def _required_keys(self, active: tuple[str, ...]) -> tuple[str, ...]:
+        """The state keys whose absence from a parameter's (non-empty) state is torch's
+        KeyError, in torch's lookup order: the active per-element keys, then the 0-dim ones."""
+        return active + self._scalar_keys
+
+    @staticmethod
+    def _state_shape(p: torch.Tensor, key: str) -> torch.Size:
+        """The shape of ``p``'s per-element state ``key``: the parameter's (Adafactor's factors
+        differ)."""
+        return p.shape
+
+    @staticmethod
+    def _state_value(st: dict, key: str) -> Any:
+        """A parameter's state ``key`` for the kernel (KeyError if absent: the state is then
+        created, or torch's KeyError raised)."""
+        return st[key]
+
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict) -> None:
         """Fills the empty ``state`` of ``p`` as torch initialises most algorithms' state: each
         0-dim value (``_scalar_keys``) a float32 zero, each per-element tensor the group uses
-        (``_active_state_keys``) zeros shaped like ``p`` (large ones in their own memory
-        mapping, see :mod:`roundpipe.host_buffers`). Algorithms that start elsewhere override
-        it."""
+        (``_active_state_keys``) zeros shaped like ``p``, in this optimizer's state format
+        (:meth:`_new_state`). Algorithms that start elsewhere override it."""
         for key in self._scalar_keys:
             state[key] = torch.zeros((), dtype=torch.float32)
         for key in self._active_state_keys(group):
-            state[key] = host_zeros(p.shape, p.dtype)
+            self._new_state(p, state, key)
+
+    def _new_state(self, p: torch.Tensor, state: dict, key: str, fill: float = 0.0) -> None:
+        """``state[key]`` (and, int8, ``state[key + "_absmax"]``) for a new per-element state
+        tensor of ``p`` holding ``fill`` everywhere, in this optimizer's format for it (large
+        ones in their own memory mapping, see :mod:`roundpipe.host_buffers`)."""
+        compact.new_state(self._memory, p, state, key, fill, self._int8_signed)
+
+    def _rounding_index(self, p: torch.Tensor) -> int:
+        """The position of ``p`` among all parameters, group by group (its rounding stream)."""
+        index = getattr(self, "_rounding_index_cache", None)
+        if index is None or id(p) not in index:
+            index = {id(q): i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
+            self._rounding_index_cache = index
+        return index.get(id(p), 0)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """As torch's ``__setstate__``: param groups from old checkpoints get the options they
         lack (``_group_defaults``, the keys the torch class fills in); 0-dim state becomes
         float32 tensors (``_scalar_state_to_tensors``)."""
         super().__setstate__(state)
+        if "_memory" not in self.__dict__:  # pickled before compact storage existed
+            self._memory = compact.Memory(torch.float32, False, 0)
         for group in self.param_groups:
             for key, value in self._group_defaults.items():
                 group.setdefault(key, value)
@@ -230,8 +364,46 @@ class CpuOptimizer(Optimizer):
         raise NotImplementedError
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        """One kernel call over the group with the parameters' own ``.grad``."""
-        self._step_tensors(group, group["params"], [p.grad for p in group["params"]])
+        """One kernel call over the group with the parameters' own ``.grad``: through the
+        group's step plan (its tensors checked once, re-checked only where they can change:
+        bindings/step_plan.hpp) when it can take the step, else through the lists
+        (:meth:`_step_tensors`, which creates missing state and raises what is wrong)."""
+        if not self._step_planned(group):
+            self._step_tensors(group, group["params"], [p.grad for p in group["params"]])
+
+    def _plan_scalars(self, group: dict[str, Any]) -> tuple:
+        """Per 0-dim kernel slot, the state key that holds it (or a tensor shared by every
+        parameter)."""
+        return self._scalar_keys
+
+    def _step_planned(self, group: dict[str, Any]) -> bool:
+        """The step of ``group`` through its cached :class:`roundpipe._C.StepPlan`; False
+        (nothing modified) when the list-based step must run instead."""
+        params = group["params"]
+        if not isinstance(params, list):
+            return False
+        plans = self.__dict__.setdefault("_plans", {})
+        scalars = self._plan_scalars(group)
+        cached = plans.get(id(params))
+        if cached is None or cached[0] is not params or cached[1] != scalars:
+            plan = _C.StepPlan(list(self._state_keys), tuple(scalars))
+            cached = plans[id(params)] = (params, scalars, plan)
+        active = self._active_state_keys(group)
+        mask = sum(1 << k for k, key in enumerate(self._state_keys) if key in active)
+        memory = self._memory
+        counts_steps = bool(self._scalar_keys) and self._scalar_keys[0] == "step"
+        seed_mix = memory.calls + 1 if memory.rounds and not counts_steps else 0
+        first = self._rounding_index(params[0]) if params and memory.rounds else 0
+        done = self._plan_kernel(self._options(group), cached[2], params, self.state, mask,
+                                 self.num_threads or 0, memory.stochastic_rounding,
+                                 memory.rounds, memory.seed, first, seed_mix)
+        if done and seed_mix:
+            memory.calls = seed_mix
+        return done
+
+    @property
+    def _plan_kernel(self) -> Callable[..., bool]:
+        return getattr(_C, type(self)._kernel.__name__ + "_plan")
 
     def _step_tensors(self, group: dict[str, Any], params: list, grads: list,
                       model_copies: list | None = None, io: Any = None) -> None:
@@ -245,9 +417,11 @@ class CpuOptimizer(Optimizer):
         state_of = self.state
         pstates = [None if g is None else state_of[p] for p, g in zip(params, grads)]
 
+        value = self._state_value
+
         def gather():  # per slot, the state of every parameter (None where skipped)
-            states = [[None if st is None else st[k] for st in pstates] if k in active else []
-                      for k in self._state_keys]
+            states = [[None if st is None else value(st, k) for st in pstates] if k in active
+                      else [] for k in self._state_keys]
             scalars = [[None if st is None else st[k] for st in pstates]
                        for k in self._scalar_keys]
             return states, scalars
@@ -259,7 +433,7 @@ class CpuOptimizer(Optimizer):
             # lacks a key the group needs (a damaged checkpoint, amsgrad switched on later) is
             # torch's KeyError naming the key, raised before anything is created or stepped.
             for st in pstates:
-                missing = [k for k in active + self._scalar_keys if st and k not in st]
+                missing = [k for k in self._required_keys(active) if st and k not in st]
                 if missing:
                     raise KeyError(missing[0]) from None
             for p, st in zip(params, pstates):
@@ -267,9 +441,25 @@ class CpuOptimizer(Optimizer):
                     self._init_state(group, p, st)
             states, scalars = gather()
         kparams = [None if st is None else p for p, st in zip(params, pstates)]
-        type(self)._kernel(self._options(group), kparams, grads, states, scalars, model_copies, io,
-                           self.num_threads or 0)
+        self._call_kernel(group, kparams, grads, states, scalars, pstates, model_copies, io)
         mark_updated(kparams, model_copies)
+
+    def _call_kernel(self, group, kparams, grads, states, scalars, pstates, model_copies,
+                     io) -> None:
+        """The C++ step over the gathered lists, with what compact storage adds: the int8
+        block maxima (``<key>_absmax``), the rounding seeds and, with ``stochastic_rounding``,
+        bfloat16 parameters allowed."""
+        memory = self._memory
+        absmax = None
+        if memory.state_dtype == "int8":
+            absmax = [[None if st is None else st.get(k + "_absmax") for st in pstates]
+                      if states[j] else [] for j, k in enumerate(self._state_keys)]
+        seeds = None
+        if memory.rounds:
+            seeds = memory.seeds(kparams, self._rounding_index, counts_steps=bool(self._scalar_keys)
+                                 and self._scalar_keys[0] == "step")
+        type(self)._kernel(self._options(group), kparams, grads, states, scalars, model_copies, io,
+                           self.num_threads or 0, absmax, seeds, memory.stochastic_rounding)
 
     def _group_of(self, p: torch.Tensor) -> Optional[int]:
         """Index of the param group holding ``p`` (None if none does), from an index rebuilt
@@ -291,12 +481,13 @@ class CpuOptimizer(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_num_threads"] = self.num_threads  # kept by copy.deepcopy and pickling
+        state["_memory"] = self._memory
         return state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.add_param_group``; ``capturable``/``differentiable``
         True is a ``ValueError`` here too, before the group is added."""
-        self._check_placeholders(param_group)
+        self._check_group(param_group)
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -315,7 +506,9 @@ class CpuOptimizer(Optimizer):
         as in :meth:`step`; parameters' ``.grad`` are neither read nor changed.
 
         Args:
-            params: parameters of this optimizer (float32, CPU, contiguous), each at most once.
+            params: parameters of this optimizer (float32, CPU, contiguous; bfloat16 with
+                ``stochastic_rounding``, then no model copy is needed: the parameter is it),
+                each at most once.
             grads: one gradient per parameter, same shape; float32, bfloat16 or float16, CPU,
                 contiguous. Read, never modified.
             model_copies: optional, one tensor per parameter, same shape; float32, bfloat16 or
@@ -370,11 +563,13 @@ class CpuOptimizer(Optimizer):
             seen.add(id(p))
             by_group.setdefault(gi, []).append(i)
         for gi in by_group:  # before any group steps
-            self._check_placeholders(self.param_groups[gi])
+            self._check_group(self.param_groups[gi])
+        param_dtypes = (torch.float32, torch.bfloat16) if self.stochastic_rounding else (torch.float32,)
         for i, (p, g) in enumerate(zip(params, grads)):
-            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
-                raise TypeError(f"{name}: params[{i}] must be a contiguous float32 CPU tensor, "
-                                f"got {p.dtype} on {p.device}")
+            if p.dtype not in param_dtypes or p.device.type != "cpu" or not p.is_contiguous():
+                raise TypeError(f"{name}: params[{i}] must be a contiguous float32 CPU tensor "
+                                f"(bfloat16 with stochastic_rounding=True), got {p.dtype} on "
+                                f"{p.device}")
             tensors = [("grads", g)] + ([("model_copies", copies[i])] if copies is not None else [])
             for what, t in tensors:
                 if not isinstance(t, torch.Tensor):
@@ -399,7 +594,7 @@ class CpuOptimizer(Optimizer):
         found_inf, norm_sq = False, 0.0
         for gi, positions in sorted(by_group.items()):
             group = self.param_groups[gi]
-            self._check_placeholders(group)
+            self._check_group(group)
             try:
                 self._step_tensors(group, [params[i] for i in positions],
                                    [grads[i] for i in positions],
@@ -437,7 +632,7 @@ class CpuOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
-            self._check_placeholders(group)
+            self._check_group(group)
             try:
                 self._step_group(group)
             except (TypeError, ValueError) as e:

@@ -3,7 +3,7 @@ kernels."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -35,6 +35,8 @@ class Adadelta(CpuOptimizer):
         maximize: maximize the objective instead of minimizing it (default False).
         differentiable: must be False.
 
+        state_dtype, stochastic_rounding, seed: compact storage, keyword-only (see
+            :class:`roundpipe.optim.CpuOptimizer`, :mod:`roundpipe.optim.compact`).
     Raises:
         ValueError: a hyperparameter is out of range (as torch.optim.Adadelta), or
             ``capturable`` / ``differentiable`` is True.
@@ -56,6 +58,9 @@ class Adadelta(CpuOptimizer):
         capturable: bool = False,
         maximize: bool = False,
         differentiable: bool = False,
+        state_dtype: Any = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: Optional[int] = None
     ) -> None:
         check_lr(lr)
         if not 0.0 <= rho <= 1.0:
@@ -72,7 +77,8 @@ class Adadelta(CpuOptimizer):
             foreach=foreach,
             differentiable=differentiable,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
 
 
     def _options(self, group):

@@ -3,7 +3,7 @@ kernels."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -43,6 +43,8 @@ class Adagrad(CpuOptimizer):
         differentiable: must be False.
         fused: ignored with a UserWarning (placeholder for torch compatibility).
 
+        state_dtype, stochastic_rounding, seed: compact storage, keyword-only (see
+            :class:`roundpipe.optim.CpuOptimizer`, :mod:`roundpipe.optim.compact`).
     Raises:
         ValueError: a hyperparameter is out of range (as torch.optim.Adagrad), or
             ``differentiable`` is True.
@@ -50,6 +52,7 @@ class Adagrad(CpuOptimizer):
 
     _kernel = _C.adagrad_step
     _state_keys = ("sum",)
+    _int8_signed = {"sum": False}
     _group_defaults = {"foreach": None, "maximize": False, "differentiable": False, "fused": None}
 
     def __init__(
@@ -65,6 +68,9 @@ class Adagrad(CpuOptimizer):
         maximize: bool = False,
         differentiable: bool = False,
         fused: Optional[bool] = None,
+        state_dtype: Any = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: Optional[int] = None
     ) -> None:
         check_lr(lr)
         check_non_negative(lr_decay, "lr_decay")
@@ -82,7 +88,8 @@ class Adagrad(CpuOptimizer):
             differentiable=differentiable,
             fused=fused,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
         for group in self.param_groups:
             for p in group["params"]:
                 self._init_state(group, p, self.state[p])
@@ -97,9 +104,7 @@ class Adagrad(CpuOptimizer):
         # torch fills `sum` with the constructor's value (self.defaults), also for a param
         # group that names its own initial_accumulator_value.
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["sum"] = torch.full_like(
-            p, self.defaults["initial_accumulator_value"], memory_format=torch.preserve_format
-        )
+        self._new_state(p, state, "sum", fill=self.defaults["initial_accumulator_value"])
 
     def _options(self, group):
         o = _C.AdagradOptions()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -38,6 +38,8 @@ class Adam(CpuOptimizer):
         fused: ignored with a UserWarning (placeholder for torch compatibility).
         decoupled_weight_decay: apply weight decay as AdamW does (default False).
 
+        state_dtype, stochastic_rounding, seed: compact storage, keyword-only (see
+            :class:`roundpipe.optim.CpuOptimizer`, :mod:`roundpipe.optim.compact`).
     Raises:
         ValueError: a hyperparameter is out of range (as torch.optim.Adam), or ``capturable`` /
             ``differentiable`` is True.
@@ -45,6 +47,7 @@ class Adam(CpuOptimizer):
 
     _kernel = _C.adam_step
     _state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _int8_signed = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
     _group_defaults = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                        "differentiable": False, "decoupled_weight_decay": False, "fused": None}
 
@@ -63,6 +66,9 @@ class Adam(CpuOptimizer):
         differentiable: bool = False,
         fused: Optional[bool] = None,
         decoupled_weight_decay: bool = False,
+        state_dtype: Any = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: Optional[int] = None
     ) -> None:
         check_lr(lr)
         check_non_negative(eps, "epsilon")
@@ -89,7 +95,8 @@ class Adam(CpuOptimizer):
             fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
 
     def _active_state_keys(self, group):
         return self._state_keys if group["amsgrad"] else self._state_keys[:2]

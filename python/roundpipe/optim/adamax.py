@@ -3,7 +3,7 @@ kernels."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -39,6 +39,8 @@ class Adamax(CpuOptimizer):
         differentiable: must be False.
         capturable: must be False.
 
+        state_dtype, stochastic_rounding, seed: compact storage, keyword-only (see
+            :class:`roundpipe.optim.CpuOptimizer`, :mod:`roundpipe.optim.compact`).
     Raises:
         ValueError: a hyperparameter is out of range (as torch.optim.Adamax), or
             ``capturable`` / ``differentiable`` is True.
@@ -47,6 +49,7 @@ class Adamax(CpuOptimizer):
 
     _kernel = _C.adamax_step
     _state_keys = ("exp_avg", "exp_inf")
+    _int8_signed = {"exp_avg": True, "exp_inf": False}
 
     def __init__(
         self,
@@ -60,6 +63,9 @@ class Adamax(CpuOptimizer):
         maximize: bool = False,
         differentiable: bool = False,
         capturable: bool = False,
+        state_dtype: Any = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: Optional[int] = None
     ) -> None:
         check_lr(lr)
         check_non_negative(eps, "epsilon")
@@ -75,7 +81,8 @@ class Adamax(CpuOptimizer):
             differentiable=differentiable,
             capturable=capturable,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
 
 
     def _options(self, group):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -14,7 +14,8 @@ class AdamW(Adam):
     weight decay multiplies the parameter by ``1 - lr * weight_decay`` instead of entering the
     gradient. A drop-in replacement for ``torch.optim.AdamW``, which is likewise ``Adam`` with
     ``decoupled_weight_decay=True``; same signature, defaults (``weight_decay=1e-2``), state and
-    ``state_dict``. See :class:`roundpipe.optim.Adam` for the tensors accepted and the errors.
+    ``state_dict``. See :class:`roundpipe.optim.Adam` for the tensors accepted, the compact
+    storage options (``state_dtype``, ``stochastic_rounding``, ``seed``) and the errors.
     """
 
     def __init__(
@@ -31,11 +32,15 @@ class AdamW(Adam):
         capturable: bool = False,
         differentiable: bool = False,
         fused: Optional[bool] = None,
+        state_dtype: Any = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: Optional[int] = None
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
             capturable=capturable, differentiable=differentiable, fused=fused,
-            decoupled_weight_decay=True,
+            decoupled_weight_decay=True, state_dtype=state_dtype,
+            stochastic_rounding=stochastic_rounding, seed=seed,
         )
 
     def __setstate__(self, state):

@@ -3,7 +3,7 @@ kernels."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -48,6 +48,8 @@ class ASGD(CpuOptimizer):
         differentiable: must be False.
         capturable: must be False.
 
+        state_dtype, stochastic_rounding, seed: compact storage, keyword-only (see
+            :class:`roundpipe.optim.CpuOptimizer`, :mod:`roundpipe.optim.compact`).
     Raises:
         ValueError: ``lr`` or ``weight_decay`` is out of range (as torch.optim.ASGD), or
             ``capturable`` / ``differentiable`` is True.
@@ -70,6 +72,10 @@ class ASGD(CpuOptimizer):
         maximize: bool = False,
         differentiable: bool = False,
         capturable: bool = False,
+        *,
+        state_dtype: Any = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: Optional[int] = None
     ) -> None:
         check_lr(lr)
         check_non_negative(weight_decay, "weight_decay")
@@ -84,13 +90,14 @@ class ASGD(CpuOptimizer):
             differentiable=differentiable,
             capturable=capturable,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
 
     def _init_state(self, group, p, state):
         state["step"] = torch.zeros((), dtype=torch.float32)
         state["eta"] = torch.tensor(scalar(group["lr"]), dtype=torch.float32)
         state["mu"] = torch.ones((), dtype=torch.float32)
-        state["ax"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        self._new_state(p, state, "ax")
 
     def _options(self, group):
         o = _C.AsgdOptions()

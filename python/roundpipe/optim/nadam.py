@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -38,6 +38,8 @@ class NAdam(CpuOptimizer):
         capturable: must be False.
         differentiable: must be False.
 
+        state_dtype, stochastic_rounding, seed: compact storage, keyword-only (see
+            :class:`roundpipe.optim.CpuOptimizer`, :mod:`roundpipe.optim.compact`).
     Raises:
         ValueError: a hyperparameter is out of range (as torch.optim.NAdam), or ``capturable`` /
             ``differentiable`` is True.
@@ -45,6 +47,7 @@ class NAdam(CpuOptimizer):
 
     _kernel = _C.nadam_step
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _int8_signed = {"exp_avg": True, "exp_avg_sq": False}
     _scalar_keys = ("step", "mu_product")
     _group_defaults = {**CpuOptimizer._group_defaults, "decoupled_weight_decay": False}
 
@@ -62,6 +65,9 @@ class NAdam(CpuOptimizer):
         maximize: bool = False,
         capturable: bool = False,
         differentiable: bool = False,
+        state_dtype: Any = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: Optional[int] = None
     ) -> None:
         check_lr(lr)
         check_non_negative(eps, "epsilon")
@@ -80,13 +86,14 @@ class NAdam(CpuOptimizer):
             capturable=capturable,
             differentiable=differentiable,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
 
     def _init_state(self, group, p, state):
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         state["mu_product"] = torch.tensor(1.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        self._new_state(p, state, "exp_avg")
+        self._new_state(p, state, "exp_avg_sq")
 
     def _options(self, group):
         o = _C.NAdamOptions()

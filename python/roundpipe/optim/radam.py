@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -39,6 +39,8 @@ class RAdam(CpuOptimizer):
         capturable: must be False.
         differentiable: must be False.
 
+        state_dtype, stochastic_rounding, seed: compact storage, keyword-only (see
+            :class:`roundpipe.optim.CpuOptimizer`, :mod:`roundpipe.optim.compact`).
     Raises:
         ValueError: a hyperparameter is out of range (as torch.optim.RAdam), or ``capturable`` /
             ``differentiable`` is True.
@@ -46,6 +48,7 @@ class RAdam(CpuOptimizer):
 
     _kernel = _C.radam_step
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _int8_signed = {"exp_avg": True, "exp_avg_sq": False}
     _group_defaults = {**CpuOptimizer._group_defaults, "decoupled_weight_decay": False}
 
     def __init__(
@@ -61,6 +64,9 @@ class RAdam(CpuOptimizer):
         maximize: bool = False,
         capturable: bool = False,
         differentiable: bool = False,
+        state_dtype: Any = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: Optional[int] = None
     ) -> None:
         check_lr(lr)
         check_non_negative(eps, "epsilon")
@@ -77,7 +83,8 @@ class RAdam(CpuOptimizer):
             decoupled_weight_decay=decoupled_weight_decay,
             differentiable=differentiable,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
 
 
     def _options(self, group):

@@ -3,7 +3,7 @@ kernels."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -41,6 +41,8 @@ class RMSprop(CpuOptimizer):
         maximize: maximize the objective instead of minimizing it (default False).
         differentiable: must be False.
 
+        state_dtype, stochastic_rounding, seed: compact storage, keyword-only (see
+            :class:`roundpipe.optim.CpuOptimizer`, :mod:`roundpipe.optim.compact`).
     Raises:
         ValueError: a hyperparameter is out of range (as torch.optim.RMSprop), or
             ``capturable`` / ``differentiable`` is True.
@@ -48,6 +50,7 @@ class RMSprop(CpuOptimizer):
 
     _kernel = _C.rmsprop_step
     _state_keys = ("square_avg", "momentum_buffer", "grad_avg")
+    _int8_signed = {"square_avg": False, "momentum_buffer": True, "grad_avg": True}
     _group_defaults = {**CpuOptimizer._group_defaults, "momentum": 0, "centered": False}
 
     def __init__(
@@ -63,6 +66,10 @@ class RMSprop(CpuOptimizer):
         foreach: Optional[bool] = None,
         maximize: bool = False,
         differentiable: bool = False,
+        *,
+        state_dtype: Any = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: Optional[int] = None
     ) -> None:
         check_lr(lr)
         check_non_negative(eps, "epsilon")
@@ -81,7 +88,18 @@ class RMSprop(CpuOptimizer):
             maximize=maximize,
             differentiable=differentiable,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
+
+    def _check_group(self, group):
+        """Also refuses ``centered=True`` with compact state: the centered variance
+        ``square_avg - grad_avg**2`` cancels where the gradient barely varies, and the
+        rounding of compact state makes it negative there (a NaN square root)."""
+        super()._check_group(group)
+        if group.get("centered") and self.state_dtype is not torch.float32:
+            raise ValueError(f"roundpipe.optim.RMSprop: centered=True needs float32 state, got "
+                             f"state_dtype={self.state_dtype!r}: the rounding of compact state "
+                             "turns square_avg - grad_avg**2 negative where it cancels")
 
     def _active_state_keys(self, group):
         keys = ("square_avg",)

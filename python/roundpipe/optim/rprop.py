@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -43,6 +43,8 @@ class Rprop(CpuOptimizer):
         maximize: maximize the objective instead of minimizing it (default False).
         differentiable: must be False.
 
+        state_dtype, stochastic_rounding, seed: compact storage, keyword-only (see
+            :class:`roundpipe.optim.CpuOptimizer`, :mod:`roundpipe.optim.compact`).
     Raises:
         ValueError: ``lr`` or ``etas`` out of range (as torch.optim.Rprop), or ``capturable`` /
             ``differentiable`` is True.
@@ -62,6 +64,9 @@ class Rprop(CpuOptimizer):
         foreach: Optional[bool] = None,
         maximize: bool = False,
         differentiable: bool = False,
+        state_dtype: Any = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: Optional[int] = None
     ) -> None:
         check_lr(lr)
         if not 0.0 < etas[0] < 1.0 < etas[1]:
@@ -75,15 +80,16 @@ class Rprop(CpuOptimizer):
             differentiable=differentiable,
             capturable=capturable,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
 
     def _init_state(self, group, p, state):
         lr = group["lr"]
         if isinstance(lr, torch.Tensor) and lr.dim() != 0:
             lr = lr.squeeze()  # torch's _to_scalar
         state["step"] = torch.zeros((), dtype=torch.float32)
-        state["prev"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step_size"] = torch.full_like(p, lr, memory_format=torch.preserve_format)
+        self._new_state(p, state, "prev")
+        self._new_state(p, state, "step_size", fill=float(lr))
 
     def _options(self, group):
         o = _C.RpropOptions()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -44,6 +44,8 @@ class SGD(CpuOptimizer):
         differentiable: must be False.
         fused: ignored with a UserWarning (placeholder for torch compatibility).
 
+        state_dtype, stochastic_rounding, seed: compact storage, keyword-only (see
+            :class:`roundpipe.optim.CpuOptimizer`, :mod:`roundpipe.optim.compact`).
     Raises:
         ValueError: a hyperparameter is out of range or ``nesterov`` lacks momentum or has
             dampening (as torch.optim.SGD), or ``differentiable`` is True.
@@ -51,6 +53,7 @@ class SGD(CpuOptimizer):
 
     _kernel = _C.sgd_step
     _state_keys = ("momentum_buffer",)
+    _int8_signed = {"momentum_buffer": True}
     _scalar_keys = ()
     _group_defaults = {"nesterov": False, "maximize": False, "foreach": None,
                        "differentiable": False, "fused": False}
@@ -68,6 +71,9 @@ class SGD(CpuOptimizer):
         foreach: Optional[bool] = None,
         differentiable: bool = False,
         fused: Optional[bool] = None,
+        state_dtype: Any = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: Optional[int] = None
     ) -> None:
         check_tensor_lr(lr)
         # torch.optim.SGD tests `x < 0.0`, not `not 0.0 <= x`: NaN passes, as there.
@@ -90,19 +96,21 @@ class SGD(CpuOptimizer):
         )
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed)
 
     def _step_tensors(self, group, group_params, group_grads, model_copies=None, io=None):
         """One kernel call over ``group_params`` with ``group_grads``, as torch.optim.SGD.step
         (see CpuOptimizer._step_tensors): without momentum no state
-        is read or created; with momentum a parameter without ``momentum_buffer`` gets one,
-        stored only once the kernel has filled it, so a step that fails its checks leaves no
-        unfilled buffer behind."""
+        is read or created; with momentum a parameter without ``momentum_buffer`` gets one (in
+        the optimizer's state format), stored only once the kernel has filled it, so a step
+        that fails its checks leaves no unfilled buffer behind."""
         use_momentum = group["momentum"] != 0
         params: list = []
         grads: list = []
         buffers: list = []
         ready: list = []
+        pstates: list = []
         created: list = []
         for p, g in zip(group_params, group_grads):
             if g is not None and g.is_sparse:
@@ -114,23 +122,30 @@ class SGD(CpuOptimizer):
             if g is None:
                 buffers.append(None)
                 ready.append(None)
+                pstates.append(None)
                 continue
-            buf = self.state[p].get("momentum_buffer")
-            if buf is None:
-                buf = torch.empty_like(p, memory_format=torch.preserve_format)
-                created.append((p, buf))
+            st = self.state[p]
+            if st.get("momentum_buffer") is None:
+                st = {}
+                self._new_state(p, st, "momentum_buffer")  # its values are never read
+                created.append((p, st))
                 ready.append(torch.zeros((), dtype=torch.float32))
             else:
                 ready.append(_READY)
-            buffers.append(buf)
-        type(self)._kernel(
-            self._options(group), params, grads,
-            [buffers] if use_momentum else [], [ready] if use_momentum else [],
-            model_copies, io, self.num_threads or 0,
-        )
+            buffers.append(st["momentum_buffer"])
+            pstates.append(st)
+        self._call_kernel(group, params, grads, [buffers] if use_momentum else [],
+                          [ready] if use_momentum else [], pstates, model_copies, io)
         mark_updated(params, model_copies)
-        for p, buf in created:
-            self.state[p]["momentum_buffer"] = buf
+        for p, st in created:
+            self.state[p].update(st)
+
+    def _plan_scalars(self, group):
+        # the kernel's momentum-ready flag: every buffer in the state holds a value
+        return (_READY,) if group["momentum"] != 0 else ()
+
+    def _active_state_keys(self, group):
+        return self._state_keys if group["momentum"] != 0 else ()
 
     def _options(self, group):
         o = _C.SGDOptions()

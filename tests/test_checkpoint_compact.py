@@ -1,0 +1,107 @@
+"""DCP checkpoints (``roundpipe.save_checkpoint`` / ``load_checkpoint``) of optimizers with
+compact state (``state_dtype=torch.bfloat16`` or ``"int8"``) and of one-copy weights:
+
+- in one process, the state comes back exactly as it was kept, and training continues as the
+  uninterrupted run;
+- a checkpoint loads into an optimizer of another ``state_dtype``: the values it reads back as
+  (int8: the dynamic map as tests/test_compact_state.py writes it from its definition, times
+  each block's maximum) converted to that format;
+- int8 state sharded over 2 ranks (each rank's blocks over its own rows) loads in one process:
+  float32 state takes the values each rank's rows read back as, int8 state requantizes them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+import roundpipe.optim as rpo
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_compact_state import reference_map  # noqa: E402
+from test_distributed import launch  # noqa: E402
+
+
+def _net(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64)).to(dtype)
+
+
+def _wrapped(state_dtype, one_copy):
+    dtype = torch.bfloat16 if one_copy else torch.float32
+    model = roundpipe.RoundPipe(_net(dtype), optim_dtype=dtype if one_copy else None,
+                                num_microbatch=2)
+    opt = rpo.AdamW(model.optim_parameters(), lr=1e-2, state_dtype=state_dtype,
+                    stochastic_rounding=one_copy, seed=3)
+    return model, opt
+
+
+def _train(model, opt, steps):
+    for step in steps:
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        model.forward_backward(input_args=(x,), loss_fn=lambda o: o.float().square().mean())
+        model.step(opt)
+
+
+@pytest.mark.parametrize("state_dtype,one_copy", [("int8", False), (torch.bfloat16, False),
+                                                  ("int8", True)])
+def test_compact_state_round_trips_and_training_continues(tmp_path, state_dtype, one_copy):
+    model, opt = _wrapped(state_dtype, one_copy)
+    _train(model, opt, range(2))
+    roundpipe.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    saved = {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in opt.state_dict()["state"].items()}
+    _train(model, opt, range(2, 4))
+    again, again_opt = _wrapped(state_dtype, one_copy)
+    roundpipe.load_checkpoint(str(tmp_path / "ckpt"), again, again_opt)
+    for k, st in again_opt.state_dict()["state"].items():
+        assert st.keys() == saved[k].keys()
+        for key, v in st.items():
+            assert v.dtype == saved[k][key].dtype and torch.equal(v, saved[k][key]), (k, key)
+    _train(again, again_opt, range(2, 4))
+    for p, q in zip(model.optim_parameters(), again.optim_parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_checkpoint_loads_into_another_state_dtype(tmp_path):
+    model, opt = _wrapped("int8", False)
+    _train(model, opt, range(2))
+    roundpipe.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    st = opt.state[model._copies.optim[0]]
+    codes, absmax = st["exp_avg"], st["exp_avg_absmax"]
+    expected = (reference_map(True)[codes.long().flatten()].view(-1, 256)
+                * absmax[:, None]).view(codes.shape)
+    fp32, fp32_opt = _wrapped(torch.float32, False)
+    roundpipe.load_checkpoint(str(tmp_path / "ckpt"), fp32, fp32_opt)
+    torch.testing.assert_close(fp32_opt.state[fp32._copies.optim[0]]["exp_avg"], expected,
+                               rtol=1e-6, atol=0)
+    bf16, bf16_opt = _wrapped(torch.bfloat16, False)
+    roundpipe.load_checkpoint(str(tmp_path / "ckpt"), bf16, bf16_opt)
+    got = bf16_opt.state[bf16._copies.optim[0]]["exp_avg"]
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=0)
+
+
+def test_int8_state_sharded_over_two_ranks_loads_in_one_process(tmp_path):
+    for rc, err in launch("save_int8", 2, tmp_path):
+        assert rc == 0, err[-3000:]
+    parts = [torch.load(tmp_path / f"rows-{r}.pt") for r in range(2)]
+    model = roundpipe.RoundPipe(_net(), num_microbatch=2)
+    fp32 = rpo.AdamW(model.optim_parameters(), lr=1e-2)
+    roundpipe.load_checkpoint(str(tmp_path / "ckpt"), model, fp32)
+    int8_model = roundpipe.RoundPipe(_net(), num_microbatch=2)
+    int8 = rpo.AdamW(int8_model.optim_parameters(), lr=1e-2, state_dtype="int8")
+    roundpipe.load_checkpoint(str(tmp_path / "ckpt"), int8_model, int8)
+    int8_state = int8.state_dict(state_dtype=torch.float32)["state"]
+    for i, p in enumerate(model.optim_parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            whole = torch.cat([part["state"][i][key] for part in parts])  # rank 0's rows first
+            assert torch.equal(fp32.state[p][key], whole), (i, key)
+            if p.numel() >= rpo.compact.INT8_MIN_NUMEL:  # requantized: within half a map step
+                scale = whole.abs().max()
+                torch.testing.assert_close(int8_state[i][key], whole, rtol=0.07,
+                                           atol=1e-3 * float(scale))
