@@ -4,10 +4,12 @@ would: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment).
     python tests/distributed_ranks.py CASE OUTDIR [ARGS...]
 
 Cases: ``train`` (every mode — ``step``, ``async``, ``exact``, ``+clip`` with a loss scaler,
-``+one`` with one copy of the weights — replicated and sharded, results saved per mode),
+``+one`` with one copy of the weights, ``+data`` replacing every parameter's ``.data`` with
+an equal clone after the first step — replicated and sharded, results saved per mode),
 ``save`` (train, then a DCP checkpoint), ``save_int8`` (the same with int8 optimizer state,
-sharded), ``resume`` (load a DCP checkpoint, train on), ``fail`` (rank 1 raises in its loss_fn
-in the second step), ``memory`` (peak host bytes per parameter, sharded, exact mode).
+sharded), ``adafactor_sharded`` (Adafactor refused with sharded copies), ``resume`` (load a
+DCP checkpoint, train on), ``fail`` (rank 1 raises in its loss_fn in the second step),
+``memory`` (peak host bytes per parameter, sharded, exact mode).
 """
 
 from __future__ import annotations
@@ -112,10 +114,18 @@ def main() -> None:
     if case == "train":
         for shard in (False, True):
             for mode in sys.argv[3].split(","):
-                model, opt = wrap(shard, rank, mode.endswith("+one"))
-                clip = 0.5 if mode.endswith("+clip") else None
+                model, opt = wrap(shard, rank, "+one" in mode)
+                clip = 0.5 if "+clip" in mode else None
                 scaler = roundpipe.GradScaler(init_scale=2.0**8) if clip else None
-                train(model, opt, mode.split("+")[0], range(STEPS), rank, world, scaler, clip)
+                if "+data" in mode:
+                    train(model, opt, mode.split("+")[0], range(1), rank, world, scaler, clip)
+                    with torch.no_grad():
+                        for p in model.module.parameters():
+                            p.data = p.data.clone()
+                    steps = range(1, STEPS)
+                else:
+                    steps = range(STEPS)
+                train(model, opt, mode.split("+")[0], steps, rank, world, scaler, clip)
                 sd = model.state_dict()  # collective: consolidated on every rank
                 counts = sum(s.numel() for st in opt.state.values() for s in st.values()
                              if s.dim() > 0)
@@ -149,6 +159,29 @@ def main() -> None:
         torch.save({"rows": model._copies.rows,
                     "state": opt.state_dict(state_dtype=torch.float32)["state"]},
                    f"{out}/rows-{rank}.pt")
+    elif case == "adafactor_sharded":  # refused before anything changes, both classes
+        model, _ = wrap(True, rank)
+        x, y = batch(0)
+        before = [p.detach().clone() for p in model.module.parameters()]
+        messages = []
+        for cls in (rpo.Adafactor, torch.optim.Adafactor):
+            opt = cls(model.optim_parameters(), lr=LR)
+            for exact in (False, True):
+                try:
+                    if exact:
+                        model.forward_backward(input_args=(x,), label=y, optimizer=opt,
+                                               loss_fn=loss_fn_for(BATCH))
+                    else:
+                        model.forward_backward(input_args=(x,), label=y,
+                                               loss_fn=loss_fn_for(BATCH))
+                        model.step(opt)
+                    messages.append("stepped")
+                except ValueError as e:
+                    messages.append(str(e))
+                    model.zero_grad()
+        unchanged = all(torch.equal(p, b) for p, b in zip(model.module.parameters(), before))
+        with open(f"{out}/adafactor-{rank}.json", "w") as f:
+            json.dump({"messages": messages, "unchanged": unchanged}, f)
     elif case == "memory":
         print(memory_per_parameter(), flush=True)
     elif case == "fail":

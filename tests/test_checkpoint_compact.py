@@ -7,7 +7,10 @@ compact state (``state_dtype=torch.bfloat16`` or ``"int8"``) and of one-copy wei
   (int8: the dynamic map as tests/test_compact_state.py writes it from its definition, times
   each block's maximum) converted to that format;
 - int8 state sharded over 2 ranks (each rank's blocks over its own rows) loads in one process:
-  float32 state takes the values each rank's rows read back as, int8 state requantizes them.
+  float32 state takes the values each rank's rows read back as, int8 state requantizes them;
+- bfloat16 state loads into torch.optim cast to the parameters' dtype (as torch's own loading);
+- what cannot load (int8 state into torch.optim, another optimizer class, other param groups,
+  a checkpoint without optimizer) is refused before anything changes.
 """
 
 from __future__ import annotations
@@ -105,3 +108,46 @@ def test_int8_state_sharded_over_two_ranks_loads_in_one_process(tmp_path):
                 scale = whole.abs().max()
                 torch.testing.assert_close(int8_state[i][key], whole, rtol=0.07,
                                            atol=1e-3 * float(scale))
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.module.parameters()]
+
+
+def test_bfloat16_state_loaded_into_torch_optim_is_cast_to_the_parameters(tmp_path):
+    model, opt = _wrapped(torch.bfloat16, False)
+    _train(model, opt, range(2))
+    roundpipe.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    saved = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+    fresh = roundpipe.RoundPipe(_net(), num_microbatch=2)
+    torch_opt = torch.optim.AdamW(fresh.optim_parameters(), lr=1e-2)
+    roundpipe.load_checkpoint(str(tmp_path / "ckpt"), fresh, torch_opt)
+    for i, p in enumerate(fresh.optim_parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = torch_opt.state[p][key]
+            assert got.dtype == torch.float32 and torch.equal(got, saved[i][key].float())
+    _train(fresh, torch_opt, range(2, 3))                     # torch steps from it
+
+
+def test_checkpoints_refused_before_anything_changes(tmp_path):
+    model, opt = _wrapped("int8", False)
+    _train(model, opt, range(2))
+    roundpipe.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    roundpipe.save_checkpoint(str(tmp_path / "bare"), model)
+    cases = [
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2), TypeError, "int8"),
+        (lambda ps: rpo.Adafactor(ps), ValueError, "another optimizer class"),
+        (lambda ps: rpo.AdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 0.5}]),
+         ValueError, "1 param groups, this one 2"),
+    ]
+    for make, error, match in cases:
+        fresh = roundpipe.RoundPipe(_net(), num_microbatch=2)
+        before = _weights(fresh)
+        fresh_opt = make(list(fresh.optim_parameters()))
+        with pytest.raises(error, match=match):
+            roundpipe.load_checkpoint(str(tmp_path / "ckpt"), fresh, fresh_opt)
+        assert all(torch.equal(a, b) for a, b in zip(_weights(fresh), before))
+        assert not fresh_opt.state
+    fresh = roundpipe.RoundPipe(_net(), num_microbatch=2)
+    with pytest.raises(ValueError, match="no optimizer state"):
+        roundpipe.load_checkpoint(str(tmp_path / "bare"), fresh, rpo.AdamW(fresh.optim_parameters()))

@@ -303,12 +303,14 @@ def test_rounding_is_reproducible_from_the_seed_and_independent_of_threads():
     assert not torch.equal(p1, p3) and not torch.equal(m1, m3)
 
 
-def test_seed_none_comes_from_torch_generator():
+def test_seed_none_comes_from_torch_generator_and_numpy_integers_are_ints():
     p = [torch.nn.Parameter(torch.zeros(2))]
     torch.manual_seed(7)
     s1 = rpo.Adam(p).seed
     torch.manual_seed(7)
     assert rpo.Adam(p).seed == s1
+    np = pytest.importorskip("numpy")
+    assert rpo.Adam(p, seed=np.int64(3)).seed == 3 and type(rpo.Adam(p, seed=np.uint64(3)).seed) is int
 
 
 # --- state_dict ---------------------------------------------------------------------------------------
@@ -411,8 +413,9 @@ def test_bad_options_are_errors():
         rpo.ASGD(p, state_dtype="int8")
     with pytest.raises(TypeError, match="stochastic_rounding"):
         rpo.Adam(p, stochastic_rounding=1)
-    with pytest.raises(ValueError, match="seed"):
-        rpo.Adam(p, seed=-1)
+    for seed in (-1, 2**64, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="seed"):
+            rpo.Adam(p, seed=seed)
     with pytest.raises(ValueError, match="state_dtype"):
         rpo.Adam(p).state_dict(state_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="centered"):

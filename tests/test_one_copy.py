@@ -182,3 +182,72 @@ def test_state_dict_load_state_dict_and_deepcopy_keep_one_copy():
     twin = copy.deepcopy(fresh)
     assert [id(p) for p in twin.optim_parameters()] == [id(p) for p in twin.module.parameters()]
     assert not {id(p) for p in twin.optim_parameters()} & {id(p) for p in fresh.optim_parameters()}
+
+
+def test_bfloat16_one_copy_sums_gradients_over_calls_in_float32():
+    """300 calls before one SGD step, each adding a gradient of 1: a bfloat16 sum would stop
+    at 256; the step moves the weight by lr * 300 (up to one stochastic rounding)."""
+    layer = _constant_gradient_layer(1, 1.0)
+    model = RoundPipe(nn.Sequential(layer), optim_dtype=torch.bfloat16, num_microbatch=1)
+    opt = rpo.SGD(model.optim_parameters(), lr=2.0**-10, stochastic_rounding=True, seed=0)
+    x = torch.ones(1, 1, dtype=torch.bfloat16)
+    for _ in range(300):
+        model.forward_backward(input_args=(x,), loss_fn=lambda out: out.float().sum())
+    model.step(opt)
+    moved = 1.0 - layer.weight.item()
+    assert abs(moved - 300 * 2.0**-10) <= 2.0**-8, moved   # one bfloat16 step below 1.0
+
+
+def test_bfloat16_one_copy_exact_mode_equals_step():
+    """Exact mode steps each stage from its float32 download; step(opt) from the float32 sum
+    of the same download: the same update, bit for bit, also with several microbatches."""
+    results = []
+    for exact in (False, True):
+        torch.manual_seed(0)
+        net = mlp().to(torch.bfloat16)
+        model = RoundPipe(net, optim_dtype=torch.bfloat16, num_microbatch=3)
+        opt = rpo.AdamW(model.optim_parameters(), lr=1e-2, stochastic_rounding=True, seed=1)
+        for step in range(3):
+            x, y = data("mlp", step)
+            if exact:
+                model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, optimizer=opt)
+            else:
+                model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+                model.step(opt)
+        model.synchronize()
+        results.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+class CastIn(nn.Module):
+    """A linear layer of its own dtype, its input cast to it."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x):
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_parameter_the_optimizer_cannot_step_is_refused_before_any_layer_steps(exact):
+    """Layer 0 float32, the others bfloat16 with bfloat16 optimizer copies (optim_dtype=None):
+    roundpipe.optim without stochastic_rounding cannot step those; the error names the
+    parameter and comes before the float32 layer is stepped."""
+    torch.manual_seed(0)
+    net = mlp()
+    for i in (2, 4):
+        net[i] = CastIn(net[i].to(torch.bfloat16))
+    model = RoundPipe(net, num_microbatch=2)
+    opt = rpo.AdamW(model.optim_parameters(), lr=1e-2)
+    before = copy.deepcopy(net.state_dict())
+    x, y = data("mlp", 0)
+    with pytest.raises(TypeError, match=r"'2\.lin\.weight'.*stochastic_rounding=True"):
+        if exact:
+            model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, optimizer=opt)
+        else:
+            model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+            model.step(opt)
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
+    assert not opt.state

@@ -369,3 +369,28 @@ def test_a_parameter_replaced_after_wrapping_is_named_in_the_error():
     x, y = data("mlp", 0)
     with pytest.raises(RuntimeError, match="replaced after the model was wrapped"):
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_zero_grad_right_after_an_asynchronous_step_does_not_lose_the_update(deep):
+    """A torch.optim optimizer is stepped whole on the optimizer thread from the .grad the
+    step sets; the user's habitual opt.zero_grad() right after step(is_async=True) waits
+    for it instead of clearing those gradients first."""
+    torch.manual_seed(0)
+    net = mlp()
+    ref = copy.deepcopy(net)
+    model = RoundPipe(net, num_microbatch=2)
+    opt = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    opt.register_step_pre_hook(lambda *_: time.sleep(0.1))     # still pending at zero_grad
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = data("mlp", 0)
+    torch.manual_seed(0)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    model.step(opt, is_async=True)
+    (copy.deepcopy(opt) if deep else opt).zero_grad()  # a deep copy has no pending step
+    model.synchronize()
+    torch.manual_seed(0)
+    reference_forward_backward(ref, x, y, 2, roundpipe.pipeline.execute.draw_call_seed())
+    ref_opt.step()
+    for p, r in zip(model.optim_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)

@@ -118,8 +118,9 @@ def _adopt(optimizer: torch.optim.Optimizer, p: torch.Tensor, loaded: dict,
             loaded = {k: v[rows[0]:rows[1]] if k in optimizer._state_keys and v.dim() > 0 else v
                       for k, v in compact.as_float32(loaded, optimizer._state_keys,
                                                      optimizer._int8_signed).items()}
-    if not isinstance(optimizer, CpuOptimizer):
-        optimizer.state[p] = loaded
+    if not isinstance(optimizer, CpuOptimizer):  # as torch's load_state_dict casts it
+        optimizer.state[p] = {k: v.to(p.dtype) if torch.is_tensor(v) and v.dim() > 0
+                              and v.is_floating_point() else v for k, v in loaded.items()}
         return
     st: dict = {}
     for key, v in loaded.items():
@@ -156,6 +157,44 @@ def save_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
         else dcp.save(sd, checkpoint_id=path, no_dist=True)
 
 
+def _dcp_load(sd: dict, path: str, group) -> None:
+    """DCP's load of the entries of ``sd`` (a part of the checkpoint is fine), in place."""
+    dcp.load(sd, checkpoint_id=path, process_group=group) if group is not None \
+        else dcp.load(sd, checkpoint_id=path, no_dist=True)
+
+
+def _check_optimizer(path: str, meta, model, optimizer: torch.optim.Optimizer, group) -> None:
+    """What would make loading into ``optimizer`` fail or go wrong halfway, checked from the
+    checkpoint's metadata and saved param groups before anything is loaded."""
+    where = "roundpipe.load_checkpoint"
+    if "optimizer.param_groups" not in meta.state_dict_metadata:
+        raise ValueError(f"{where}: {path!r} holds no optimizer state (saved without one)")
+    if not isinstance(optimizer, CpuOptimizer) and any(
+            fqn.startswith("optimizer.state.") and getattr(m, "properties", None) is not None
+            and m.properties.dtype == torch.uint8 for fqn, m in meta.state_dict_metadata.items()):
+        raise TypeError(f"{where}: the checkpoint holds int8 optimizer state, which only "
+                        "roundpipe.optim optimizers load (with any state_dtype), not "
+                        f"{type(optimizer).__name__}")
+    part = {"optimizer": {"param_groups": io.BytesIO()}}
+    _dcp_load(part, path, group)
+    saved = _unblob(part["optimizer"]["param_groups"])
+    names, index = _names(model), {id(o): i for i, o in enumerate(model._copies.optim)}
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"{where}: the checkpoint's optimizer has {len(saved)} param groups, "
+                         f"this one {len(optimizer.param_groups)}")
+    for k, (s, g) in enumerate(zip(saved, optimizer.param_groups)):
+        mine = [names[index[id(p)]] for p in g["params"]]
+        if sorted(s["params"]) != sorted(mine):
+            raise ValueError(f"{where}: param group {k} holds other parameters than the "
+                             f"checkpoint's (saved {s['params']}, here {mine})")
+        missing = sorted(set(optimizer.defaults) - set(s))
+        if missing:
+            raise ValueError(
+                f"{where}: param group {k} of the checkpoint lacks the hyperparameters "
+                f"{missing} of {type(optimizer).__name__}: was it saved by another optimizer "
+                "class?")
+
+
 def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
     """Loads a checkpoint of :func:`save_checkpoint` (saved at any world size, sharded or
     not) into ``model`` and ``optimizer`` as they are built now; returns its ``extra``. With
@@ -163,10 +202,18 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     weights (rounded to the model dtype), the optimizer its state and hyperparameters.
 
     Raises:
+        ValueError: (before anything changes) the optimizer's param groups differ from the
+            checkpoint's in number, parameters or hyperparameter names (another optimizer
+            class), or the checkpoint holds no optimizer.
+        TypeError: (before anything changes) the checkpoint holds int8 optimizer state and
+            ``optimizer`` is not a ``roundpipe.optim`` optimizer.
         KeyError / RuntimeError (from DCP): the checkpoint does not hold this model's names.
     """
     model.synchronize()
     meta = dcp.FileSystemReader(path).read_metadata()
+    group = model.process_group
+    if optimizer is not None:
+        _check_optimizer(path, meta, model, optimizer, group)
     trainable = {name: copies_i for copies_i, name in _names(model).items()}
     keys: dict[str, dict[str, tuple]] = {}  # name -> key -> (shape or "param", dtype)
     for fqn, m in meta.state_dict_metadata.items():
@@ -182,9 +229,7 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     sd["extra"] = io.BytesIO()
     if optimizer is not None:
         sd["optimizer"]["param_groups"] = io.BytesIO()
-    group = model.process_group
-    dcp.load(sd, checkpoint_id=path, process_group=group) if group is not None \
-        else dcp.load(sd, checkpoint_id=path, no_dist=True)
+    _dcp_load(sd, path, group)
     copies = model._copies  # the optimizer copies, buffers and state were loaded in place
     for i in range(len(copies.model)):
         copies.write_back(i)

@@ -234,6 +234,7 @@ class Reduction:
 
     divisor = 1.0  # gradients are divided by this (the number of ranks for a mean)
     device_norms = True  # the squared norms measured on the device hold for the step
+    sharded = False  # each rank steps only its rows of the optimizer copies
 
     def __init__(self, copies) -> None:
         self.copies = copies
@@ -330,6 +331,7 @@ class ShardedReduction(Reduction):
     """Each rank keeps its rows of every parameter: a stage's downloads are reduce-scattered
     as they arrive, steps update the rank's rows, the model copy's rows are all-gathered."""
 
+    sharded = True
     device_norms = False  # the step's norms are those of this rank's reduced rows
 
     def __init__(self, copies, comm: Comm) -> None:

@@ -194,6 +194,9 @@ class ParamCopies:
                 if self.version(p) != self.synced[i]:
                     if not self.shared[i]:
                         self.optim[i].copy_(self.model_rows(i))
+                    elif self.rows[i] is not None and self.optim[i].data_ptr() != \
+                            self.model_rows(i).data_ptr():  # .data replaced: view the new rows
+                        self.optim[i].data = self.model_rows(i)
                     self.synced[i] = self.version(p)
 
     def write_back(self, i: int) -> None:
@@ -224,12 +227,14 @@ class ParamCopies:
     def accumulate(self, i: int, g: torch.Tensor, owned: bool,
                    norm_sq: Optional[float] = None) -> None:
         """Adds gradient ``g`` (fp32 or the model dtype, on the host) into parameter ``i``'s
-        accumulated gradient (optimizer dtype, a buffer of :attr:`pool`): the first one since
-        the last step is taken without a copy when ``owned`` and already of that dtype, later
-        ones are added in one pass (an owned ``g`` then goes back to the pool). ``norm_sq``
-        (the squared norm of ``g``, measured where it was summed) is kept for the first one;
-        a sum's norm is unknown until measured."""
-        dtype = self.optim[i].dtype
+        accumulated gradient (a buffer of :attr:`pool` in float32, or the optimizer dtype
+        when wider: a bfloat16 sum would stop growing, and differ from exact mode, which steps
+        from the float32 download): the first one since the last step is taken without a copy
+        when ``owned`` and already of that dtype, later ones are added in one pass (an owned
+        ``g`` then goes back to the pool). ``norm_sq`` (the squared norm of ``g``, measured
+        where it was summed) is kept for the first one; a sum's norm is unknown until
+        measured."""
+        dtype = torch.promote_types(self.optim[i].dtype, torch.float32)
         if self.grads[i] is None:
             if owned and g.dtype == dtype:
                 self.grads[i] = g

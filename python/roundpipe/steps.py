@@ -39,6 +39,7 @@ from .clipping import Clip, total_norm
 from .context import OptimizerCtx
 from .distributed import Reduction
 from .grad_scaler import GradScaler
+from .optim import Adafactor as CpuAdafactor
 from .optim import CpuOptimizer
 from .optimizer_thread import OptimizerThread
 from .param_copies import ParamCopies
@@ -76,6 +77,11 @@ def snapshot(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         for g in opt.param_groups]
     twin.__dict__.pop("_group_index_cache", None)
     return twin
+
+
+# optimizers whose update of an element reads other elements (not for sharded copies)
+_NOT_ELEMENTWISE = tuple(c for c in (getattr(torch.optim, "Adafactor", None), torch.optim.LBFGS)
+                         if c is not None) + (CpuAdafactor,)
 
 
 def _owned(opt: torch.optim.Optimizer) -> set[int]:
@@ -307,7 +313,41 @@ class Steps:
         """Exact overlapped mode stepping each stage as it finishes, if ``opt`` can be stepped
         layer by layer, else None (then it is stepped after the backward)."""
         self.hook_optimizer(opt)
-        return ExactStep(opt, last_stage) if self.layerwise(opt) else None
+        layerwise = self.check_optimizer(opt, "RoundPipe.forward_backward")
+        return ExactStep(opt, last_stage) if layerwise else None
+
+    def check_optimizer(self, opt: torch.optim.Optimizer, where: str) -> bool:
+        """Whether ``opt`` is stepped layer by layer (:meth:`layerwise`), after checking what
+        would otherwise fail halfway through a step, with some layers already updated.
+
+        Raises:
+            ValueError: the optimizer copies are sharded over ranks and ``opt``'s update of an
+                element depends on other elements (Adafactor's factored second moments,
+                LBFGS): a rank sees only its rows.
+            TypeError: a layer-by-layer optimizer holds a parameter whose dtype it cannot step
+                (bfloat16 without ``stochastic_rounding=True``, float16).
+        """
+        if self.reduction.sharded and isinstance(opt, _NOT_ELEMENTWISE):
+            raise ValueError(
+                f"{where}: {type(opt).__name__} cannot step optimizer copies sharded over ranks "
+                "(shard_optimizer=True): its update of an element depends on whole rows and "
+                "columns, and each rank holds only some rows; use shard_optimizer=False")
+        if not self.layerwise(opt):
+            return False
+        for g in opt.param_groups:
+            opt._check_group(g)
+        accepted = (torch.float32, torch.bfloat16) if opt.stochastic_rounding else (torch.float32,)
+        names = {id(o): n for n, o in zip(self.copies.names, self.copies.optim)}
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p.dtype not in accepted:
+                    hint = ("build the optimizer with stochastic_rounding=True"
+                            if p.dtype == torch.bfloat16 else "use optim_dtype=torch.float32")
+                    raise TypeError(
+                        f"{where}: parameter {names[id(p)]!r} has a {p.dtype} optimizer copy, "
+                        f"which {type(opt).__name__} cannot step ({hint}, or wrap with "
+                        "optim_dtype=torch.float32 for float32 master weights)")
+        return True
 
     def _plan(self, step_fn: Any, write_back: bool, behind: list[int],
               scaler: Optional[GradScaler], scale: float, clip: Optional[Clip]) -> _Plan:
@@ -315,7 +355,7 @@ class Steps:
         if isinstance(step_fn, torch.optim.Optimizer):
             self.hook_optimizer(step_fn)
             shot = snapshot(step_fn)
-            if self.layerwise(step_fn):
+            if self.check_optimizer(step_fn, "RoundPipe.step"):
                 twin = shot
             fn = lambda: (shot.step(), shot.zero_grad())  # noqa: E731
         else:
@@ -470,8 +510,8 @@ class Steps:
                 for g in grads:
                     if g is not None:
                         g.mul_(coef)
-        for o, g in zip(copies.optim, grads):
-            o.grad = g
+        for o, g in zip(copies.optim, grads):  # a torch optimizer's .grad: the param's dtype
+            o.grad = g if g is None or g.dtype == o.dtype else g.to(o.dtype)
         try:
             with OptimizerCtx():
                 return plan.fn()
@@ -527,3 +567,12 @@ class Steps:
         opt.register_step_pre_hook(wait)
         opt.register_state_dict_pre_hook(wait)
         opt.register_load_state_dict_pre_hook(wait)
+        # zero_grad has no hooks: an instance attribute that waits first (a pending step of an
+        # optimizer stepped whole reads the .grad it set; pickling drops the attribute)
+        zero_grad, ref = type(opt).zero_grad, weakref.ref(opt)
+
+        def waiting_zero_grad(*args, **kwargs):
+            wait()
+            return zero_grad(ref(), *args, **kwargs)
+
+        opt.zero_grad = waiting_zero_grad

@@ -103,7 +103,8 @@ class RoundPipe(nn.Module):
             ``forward_backward`` returns this rank's loss. None (default): one process.
         shard_optimizer: with a group, each rank keeps the optimizer copies, gradients and
             optimizer state of only its rows of each parameter (``optim_parameters()`` is
-            this rank's share; elementwise optimizers work unchanged).
+            this rank's share; elementwise optimizers work unchanged, Adafactor and LBFGS are
+            refused by ``step`` and exact mode with a ``ValueError``).
         grad_reduction: ``"mean"`` (default, as DDP) or ``"sum"`` of the ranks' gradients.
 
     Concurrency: one call at a time per wrapper (``forward``, ``forward_backward``, ``step``,

@@ -31,6 +31,7 @@ the uint8 codes under the state's key and the float32 block maxima under ``<key>
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -96,9 +97,10 @@ class Memory:
                             f"{stochastic_rounding!r}")
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral) \
+                or not 0 <= seed < 2**64:
             raise ValueError(f"{where}: seed must be None or an int in [0, 2**64), got {seed!r}")
-        return cls(state_dtype, stochastic_rounding, seed)
+        return cls(state_dtype, stochastic_rounding, int(seed))
 
     @property
     def rounds(self) -> bool:
