@@ -51,6 +51,15 @@ def test_the_optimizer_steps_the_model_parameters_themselves():
     assert all(o.dtype == torch.bfloat16 for o in model.optim_parameters())
 
 
+def _train_call(model, opt, x, y, exact: bool) -> None:
+    """One training call: exact mode (the step in the backward), or forward_backward + step."""
+    if exact:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, optimizer=opt)
+    else:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        model.step(opt)
+
+
 class SlowAdam(rpo.Adam):
     """Adam whose per-layer steps start late: the next pass would overtake an ungated step."""
 
@@ -150,22 +159,6 @@ def test_bfloat16_master_weights_keep_updates_below_half_a_bfloat16_step():
     assert abs(moved - expected) < 0.02 * expected, (moved, expected)
 
 
-@pytest.mark.parametrize("exact", [False, True])
-def test_bfloat16_master_weights_need_stochastic_rounding_in_roundpipe_optim(exact):
-    net = mlp().to(torch.bfloat16)
-    before = copy.deepcopy(net.state_dict())
-    model = RoundPipe(net, optim_dtype=torch.bfloat16, num_microbatch=2)
-    opt = rpo.AdamW(model.optim_parameters(), lr=1e-3)
-    x, y = data("mlp", 0)
-    with pytest.raises(TypeError, match="stochastic_rounding=True"):
-        if exact:
-            model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, optimizer=opt)
-        else:
-            model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-            model.step(opt)
-    assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
-
-
 def test_state_dict_load_state_dict_and_deepcopy_keep_one_copy():
     torch.manual_seed(0)
     model = RoundPipe(mlp(), optim_dtype=torch.float32, num_microbatch=2)
@@ -208,12 +201,7 @@ def test_bfloat16_one_copy_exact_mode_equals_step():
         model = RoundPipe(net, optim_dtype=torch.bfloat16, num_microbatch=3)
         opt = rpo.AdamW(model.optim_parameters(), lr=1e-2, stochastic_rounding=True, seed=1)
         for step in range(3):
-            x, y = data("mlp", step)
-            if exact:
-                model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, optimizer=opt)
-            else:
-                model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-                model.step(opt)
+            _train_call(model, opt, *data("mlp", step), exact)
         model.synchronize()
         results.append([p.detach().clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
@@ -231,23 +219,24 @@ class CastIn(nn.Module):
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_a_parameter_the_optimizer_cannot_step_is_refused_before_any_layer_steps(exact):
-    """Layer 0 float32, the others bfloat16 with bfloat16 optimizer copies (optim_dtype=None):
-    roundpipe.optim without stochastic_rounding cannot step those; the error names the
-    parameter and comes before the float32 layer is stepped."""
+@pytest.mark.parametrize("copies", ["one", "separate"])
+def test_a_parameter_the_optimizer_cannot_step_is_refused_before_any_layer_steps(copies, exact):
+    """bfloat16 optimizer copies — the model's own (one copy), or separate ones of the later
+    layers of a model whose first layer is float32 — that roundpipe.optim without
+    stochastic_rounding cannot step: the error names the parameter and comes before any layer
+    (the float32 one included) is stepped."""
     torch.manual_seed(0)
     net = mlp()
-    for i in (2, 4):
-        net[i] = CastIn(net[i].to(torch.bfloat16))
-    model = RoundPipe(net, num_microbatch=2)
+    if copies == "one":
+        net = net.to(torch.bfloat16)
+        model, name = RoundPipe(net, optim_dtype=torch.bfloat16, num_microbatch=2), "0.weight"
+    else:
+        for i in (2, 4):
+            net[i] = CastIn(net[i].to(torch.bfloat16))
+        model, name = RoundPipe(net, num_microbatch=2), "2.lin.weight"
     opt = rpo.AdamW(model.optim_parameters(), lr=1e-2)
     before = copy.deepcopy(net.state_dict())
-    x, y = data("mlp", 0)
-    with pytest.raises(TypeError, match=r"'2\.lin\.weight'.*stochastic_rounding=True"):
-        if exact:
-            model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, optimizer=opt)
-        else:
-            model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-            model.step(opt)
+    with pytest.raises(TypeError, match=rf"'{name}'.*stochastic_rounding=True"):
+        _train_call(model, opt, *data("mlp", 0), exact)
     assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
     assert not opt.state

@@ -74,6 +74,7 @@ class ParamCopies:
         self.grads: list[Optional[torch.Tensor]] = [None] * len(self.model)
         self.norms_sq: list[Optional[float]] = [None] * len(self.model)
         self.synced = [self.version(p) for p in self.model]
+        self.optim_dtypes = frozenset(p.dtype for p in self.optim)
         self.layer_params: list[list[int]] = []
         for layer in self.layers:
             ids: list[int] = []
@@ -101,8 +102,9 @@ class ParamCopies:
             list(dict.fromkeys(i for li in st.layers for i in self.layer_params[li]))
             for st in self.stages]
 
-    _DERIVED = ("lock", "pool", "comm", "index", "known", "grads", "norms_sq", "synced", "layer_params", "param_layers",
-                "own_params", "final_params", "stage_params")
+    _DERIVED = ("lock", "pool", "comm", "index", "known", "grads", "norms_sq", "synced",
+                "optim_dtypes", "layer_params", "param_layers", "own_params", "final_params",
+                "stage_params")
 
     def __getstate__(self) -> dict:
         """Pickling keeps the copies and the set of stale model copies; the maps (over object

@@ -336,7 +336,9 @@ class Steps:
             return False
         for g in opt.param_groups:
             opt._check_group(g)
-        accepted = (torch.float32, torch.bfloat16) if opt.stochastic_rounding else (torch.float32,)
+        accepted = {torch.float32, torch.bfloat16} if opt.stochastic_rounding else {torch.float32}
+        if self.copies.optim_dtypes <= accepted:  # the usual case: no loop over the parameters
+            return True
         names = {id(o): n for n, o in zip(self.copies.names, self.copies.optim)}
         for g in opt.param_groups:
             for p in g["params"]:
