@@ -10,9 +10,9 @@ key, as the optimizer keeps it: float32, bfloat16 or int8 codes with their block
 ``state_dtype="int8"`` state of a sharded parameter is written as the float32 values it reads
 back as, since each rank's block maxima would not split over another world size — a passing 4
 bytes per state value of the rank's rows while saving, and a resume within the quantisation
-error instead of bit for bit) and ``param_groups`` (hyperparameters, parameters by name); ``extra``: whatever
-the caller adds (an LR scheduler's state, the step, a GradScaler's state). Loading converts the
-state to the optimizer's own ``state_dtype``, whatever it was saved as.
+error instead of bit for bit) and ``param_groups`` (hyperparameters, parameters by name);
+``extra``: whatever the caller adds (an LR scheduler's state, the step, a GradScaler's state).
+Loading converts the state to the optimizer's own ``state_dtype``, whatever it was saved as.
 
     roundpipe.save_checkpoint("ckpt", model, opt, extra={"step": step})
     extra = roundpipe.load_checkpoint("ckpt", model, opt)   # any world size
@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .optim import CpuOptimizer, compact
+from .optim import CpuOptimizer
 
 
 def _names(model) -> dict[int, str]:
@@ -95,7 +95,7 @@ def _portable(optimizer: torch.optim.Optimizer, st: dict) -> dict:
     would split differently), written as the float32 values it reads back as."""
     if isinstance(optimizer, CpuOptimizer) and any(
             torch.is_tensor(v) and v.dtype == torch.uint8 for v in st.values()):
-        return compact.as_float32(st, optimizer._state_keys, optimizer._int8_signed)
+        return optimizer._state_as_float32(st)
     return st
 
 
@@ -104,30 +104,19 @@ def _adopt(optimizer: torch.optim.Optimizer, p: torch.Tensor, loaded: dict,
     """``loaded`` (one parameter's state read from a checkpoint, in the form it was saved;
     int8 codes whole, the rest ``rows`` of it when sharded) becomes ``optimizer``'s state of
     ``p``, converted to the optimizer's own format (a ``roundpipe.optim`` optimizer with
-    compact state: bfloat16 or int8).
-
-    Raises:
-        TypeError: int8 state for an optimizer that is not ``roundpipe.optim``'s.
-    """
-    if any(torch.is_tensor(v) and v.dtype == torch.uint8 for v in loaded.values()):
-        if not isinstance(optimizer, CpuOptimizer):
-            raise TypeError("roundpipe.load_checkpoint: the checkpoint holds int8 optimizer "
-                            "state, which only roundpipe.optim optimizers load (any "
-                            f"state_dtype), not {type(optimizer).__name__}")
-        if rows is not None:  # the codes of the whole parameter: its values, then our rows
-            loaded = {k: v[rows[0]:rows[1]] if k in optimizer._state_keys and v.dim() > 0 else v
-                      for k, v in compact.as_float32(loaded, optimizer._state_keys,
-                                                     optimizer._int8_signed).items()}
+    compact state: bfloat16 or int8; int8 checkpoints reach only those, see
+    :func:`_check_optimizer`)."""
     if not isinstance(optimizer, CpuOptimizer):  # as torch's load_state_dict casts it
         optimizer.state[p] = {k: v.to(p.dtype) if torch.is_tensor(v) and v.dim() > 0
                               and v.is_floating_point() else v for k, v in loaded.items()}
         return
-    st: dict = {}
-    for key, v in loaded.items():
-        if key in optimizer._state_keys:
-            compact.store(optimizer._memory, p, st, key, loaded, optimizer._int8_signed)
-        elif not key.endswith("_absmax"):
-            st[key] = v
+    if rows is not None and any(torch.is_tensor(v) and v.dtype == torch.uint8
+                                for v in loaded.values()):  # whole codes: values, our rows
+        loaded = {k: v[rows[0]:rows[1]] if k in optimizer._state_keys and v.dim() > 0 else v
+                  for k, v in optimizer._state_as_float32(loaded).items()}
+    st = {k: v for k, v in loaded.items()
+          if k not in optimizer._state_keys and not k.endswith("_absmax")}
+    optimizer._store_state(p, st, loaded)
     optimizer.state[p] = st
 
 
@@ -163,9 +152,11 @@ def _dcp_load(sd: dict, path: str, group) -> None:
         else dcp.load(sd, checkpoint_id=path, no_dist=True)
 
 
-def _check_optimizer(path: str, meta, model, optimizer: torch.optim.Optimizer, group) -> None:
+def _check_optimizer(path: str, meta, model, optimizer: torch.optim.Optimizer,
+                     group) -> list[dict]:
     """What would make loading into ``optimizer`` fail or go wrong halfway, checked from the
-    checkpoint's metadata and saved param groups before anything is loaded."""
+    checkpoint's metadata and saved param groups before anything is loaded; returns the saved
+    param groups."""
     where = "roundpipe.load_checkpoint"
     if "optimizer.param_groups" not in meta.state_dict_metadata:
         raise ValueError(f"{where}: {path!r} holds no optimizer state (saved without one)")
@@ -193,6 +184,7 @@ def _check_optimizer(path: str, meta, model, optimizer: torch.optim.Optimizer, g
                 f"{where}: param group {k} of the checkpoint lacks the hyperparameters "
                 f"{missing} of {type(optimizer).__name__}: was it saved by another optimizer "
                 "class?")
+    return saved
 
 
 def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
@@ -212,8 +204,8 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     model.synchronize()
     meta = dcp.FileSystemReader(path).read_metadata()
     group = model.process_group
-    if optimizer is not None:
-        _check_optimizer(path, meta, model, optimizer, group)
+    saved_groups = None if optimizer is None else _check_optimizer(path, meta, model, optimizer,
+                                                                   group)
     trainable = {name: copies_i for copies_i, name in _names(model).items()}
     keys: dict[str, dict[str, tuple]] = {}  # name -> key -> (shape or "param", dtype)
     for fqn, m in meta.state_dict_metadata.items():
@@ -228,7 +220,7 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     sd = _state(model, optimizer, _mesh(model), keys)
     sd["extra"] = io.BytesIO()
     if optimizer is not None:
-        sd["optimizer"]["param_groups"] = io.BytesIO()
+        del sd["optimizer"]["param_groups"]  # read by _check_optimizer
     _dcp_load(sd, path, group)
     copies = model._copies  # the optimizer copies, buffers and state were loaded in place
     for i in range(len(copies.model)):
@@ -243,11 +235,11 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
         index = {id(o): i for i, o in enumerate(copies.optim)}
         for g in optimizer.param_groups:
             for p in g["params"]:
-                loaded = sd["optimizer"]["state"].get(names[index[id(p)]], {})
                 i = index[id(p)]
+                loaded = sd["optimizer"]["state"].get(names[i], {})
                 _adopt(optimizer, p, {k: v.to_local() if hasattr(v, "to_local") else v
                                       for k, v in loaded.items()}, copies.rows[i])
-        for g, saved in zip(optimizer.param_groups, _unblob(sd["optimizer"]["param_groups"])):
+        for g, saved in zip(optimizer.param_groups, saved_groups):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = v

@@ -230,9 +230,21 @@ class CpuOptimizer(Optimizer):
         if state_dtype is not torch.float32:
             raise ValueError(f"roundpipe.optim.{type(self).__name__}.state_dict: state_dtype "
                              f"must be None or torch.float32, got {state_dtype!r}")
-        sd["state"] = {pid: compact.as_float32(st, self._state_keys, self._int8_signed)
-                       for pid, st in sd["state"].items()}
+        sd["state"] = {pid: self._state_as_float32(st) for pid, st in sd["state"].items()}
         return sd
+
+    def _state_as_float32(self, p_state: dict) -> dict:
+        """A copy of one parameter's state with its per-element state as float32 tensors and
+        no ``_absmax`` entries (torch.optim's layout; :func:`compact.as_float32`)."""
+        return compact.as_float32(p_state, self._state_keys, self._int8_signed)
+
+    def _store_state(self, p: torch.Tensor, p_state: dict, values: dict) -> None:
+        """Each per-element state entry of ``values`` (any form: float32 or another float
+        dtype, bfloat16, int8 codes with their ``_absmax``) into ``p_state``, converted to this
+        optimizer's format for ``p`` (:func:`compact.store`)."""
+        for key in self._state_keys:
+            if key in values:
+                compact.store(self._memory, p, p_state, key, values, self._int8_signed)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``; 0-dim state saved in another dtype (an
@@ -282,15 +294,10 @@ class CpuOptimizer(Optimizer):
         super().load_state_dict(light)  # ends with __setstate__, which converts 0-dim state
         for saved, values in held.items():
             p = by_id[saved]
-            st = self.state[p]
-            for key in self._state_keys:
-                if key in values:
-                    compact.store(self._memory, p, st, key, values, self._int8_signed)
+            self._store_state(p, self.state[p], values)
         for p, st in self.state.items():  # state kept as loaded, in this optimizer's format
             if torch.is_tensor(p):
-                for key in self._state_keys:
-                    if key in st:
-                        compact.store(self._memory, p, st, key, st, self._int8_signed)
+                self._store_state(p, st, st)
 
     def _scalar_state_to_tensors(self) -> None:
         """0-dim state as the kernels keep it, float32 tensors: Python numbers (old checkpoints;
