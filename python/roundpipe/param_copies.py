@@ -5,10 +5,10 @@ Every parameter that requires grad when the model is wrapped has two host copies
 with) and the *optimizer copy* (a separate ``nn.Parameter`` in ``optim_dtype``: what optimizers
 step) — or one, when ``optim_dtype`` is given and is the parameter's own dtype (e.g. bfloat16
 master weights): the optimizer then steps the model copy itself (:attr:`ParamCopies.shared`),
-and writing back is nothing to do. :class:`ParamCopies` owns the optimizer copies, the gradients accumulated for them
-between steps, and keeping the two copies consistent (write-back after a step, picking up a
-model copy changed behind the wrapper's back, the set of model copies an asynchronous step
-left behind). Sharded over ranks (:mod:`roundpipe.distributed`), an optimizer copy holds only
+and writing back is nothing to do. :class:`ParamCopies` owns the optimizer copies, the
+gradients accumulated for them between steps, and keeping the two copies consistent
+(write-back after a step, picking up a model copy changed behind the wrapper's back, the set
+of model copies an asynchronous step left behind). Sharded over ranks (:mod:`roundpipe.distributed`), an optimizer copy holds only
 this rank's rows of its parameter (:attr:`ParamCopies.rows`); the model copy stays whole.
 """
 
@@ -61,7 +61,8 @@ class ParamCopies:
             if shared:
                 self.optim.append(p if rows is None else nn.Parameter(src))
             else:
-                self.optim.append(nn.Parameter(host_empty(src.shape, optim_dtype or p.dtype).copy_(src)))
+                copy = host_empty(src.shape, optim_dtype or p.dtype).copy_(src)
+                self.optim.append(nn.Parameter(copy))
         self.lock = threading.Lock()
         self.pool = HostBuffers()
         self.stale: set[int] = set()  # model copies behind their optimizer copies (async step)
