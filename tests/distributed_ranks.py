@@ -40,10 +40,12 @@ def batch(step):
     return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 6, generator=g)
 
 
-def loss_fn_for(share_of_batch: int):
-    """Sum of squared errors over this part of the batch divided by the whole batch: with
-    grad_reduction="sum", the ranks' gradients add up to the whole batch's mean loss."""
-    return lambda out, target: ((out - target) ** 2).sum() / share_of_batch
+def loss_fn(out, target):
+    """The mean over this microbatch's rows of their summed squared errors, written as for
+    plain PyTorch: the default loss_reduction="mean" weights each microbatch by its rows and
+    grad_reduction="mean" averages the ranks' equal shares, so the gradient is the whole
+    batch's mean loss."""
+    return ((out - target) ** 2).sum(-1).mean()
 
 
 def train(model, opt, mode: str, steps: range, rank: int, world: int, scaler=None, clip=None):
@@ -51,7 +53,7 @@ def train(model, opt, mode: str, steps: range, rank: int, world: int, scaler=Non
     for step in steps:
         x, y = batch(step)
         xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
-        lf = loss_fn_for(BATCH)
+        lf = loss_fn
         if mode == "exact":
             model.forward_backward(input_args=(xs,), label=ys, loss_fn=lf, optimizer=opt,
                                    grad_scaler=scaler, **kw)
@@ -70,7 +72,7 @@ def wrap(shard: bool, seed_rank: int, one_copy: bool = False):
         net.load_state_dict(build().state_dict())
     model = roundpipe.RoundPipe(net, torch.float32 if one_copy else None,
                                 process_group=dist.group.WORLD, shard_optimizer=shard,
-                                grad_reduction="sum", num_microbatch=2)
+                                num_microbatch=2)
     return model, rpo.AdamW(model.optim_parameters(), lr=LR, eps=1e-3)
 
 
@@ -170,10 +172,10 @@ def main() -> None:
                 try:
                     if exact:
                         model.forward_backward(input_args=(x,), label=y, optimizer=opt,
-                                               loss_fn=loss_fn_for(BATCH))
+                                               loss_fn=loss_fn)
                     else:
                         model.forward_backward(input_args=(x,), label=y,
-                                               loss_fn=loss_fn_for(BATCH))
+                                               loss_fn=loss_fn)
                         model.step(opt)
                     messages.append("stepped")
                 except ValueError as e:

@@ -76,7 +76,7 @@ def test_transfer_counters_equal_the_formulas(M, devices, dtype):
     batch = 10
     x, y = torch.randn(batch, 8, dtype=dtype), torch.randn(batch, 4)
     model.forward_backward(input_args=(x,), label=y,
-                           loss_fn=lambda o, t: ((o.float() - t) ** 2).sum())
+                           loss_fn=lambda o, t: ((o.float() - t) ** 2).sum(), loss_reduction="sum")
     model.synchronize()
     s = model.pipeline_stats()
     item = torch.tensor([], dtype=dtype).element_size()
@@ -132,7 +132,7 @@ def test_gradients_summed_on_the_device_equal_plain_host_summation():
         model = RoundPipe(copy.deepcopy(net), optim_dtype=torch.float32,
                           device=["cpu"] * devices, num_microbatch=3)
         torch.manual_seed(7)
-        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, loss_reduction="sum")
         model._steps.wait()
         for k, (g, r) in enumerate(zip(model._copies.grads, sums)):
             assert g.dtype == torch.float32 and torch.equal(g, r), k
@@ -169,13 +169,13 @@ class Scale(nn.Module):
 def test_buffers_go_back_only_when_a_layer_changed_them():
     model = RoundPipe(nn.Sequential(nn.Linear(8, 16), Scale(), nn.Linear(16, 4)), num_microbatch=2)
     x, y = torch.randn(6, 8), torch.randn(6, 4)
-    model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+    model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum(), loss_reduction="sum")
     s = model.pipeline_stats(reset=True)
     assert s["h2d_buffer_bytes"] == 2 * 16 * 4   # uploaded with the stage, forward and backward
     assert s["d2h_buffer_bytes"] == 0            # never copied back
     bn = nn.BatchNorm1d(16)
     model = RoundPipe(nn.Sequential(nn.Linear(8, 16), bn, nn.Linear(16, 4)), num_microbatch=2)
-    model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+    model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum(), loss_reduction="sum")
     s = model.pipeline_stats(reset=True)
     buffer_bytes = sum(b.numel() * b.element_size() for b in bn.buffers())
     assert s["d2h_buffer_bytes"] == buffer_bytes  # once, after the forward visit
@@ -204,7 +204,7 @@ def test_stage_inputs_require_grad_only_when_an_earlier_stage_trains():
     net = nn.Sequential(frozen, probe1, nn.Linear(8, 8), probe2, nn.Linear(8, 4))
     model = RoundPipe(net, num_microbatch=2)
     x, y = torch.randn(4, 8), torch.randn(4, 4)
-    model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+    model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum(), loss_reduction="sum")
     s = model.pipeline_stats()
     # stages 0 and 1 hold nothing trainable and feed nothing trainable: no backward visit,
     # so probe1 is never recomputed; probe2 follows a trainable stage: its input requires grad
@@ -227,7 +227,7 @@ def test_in_place_operations_on_stage_inputs_train_as_in_plain_pytorch():
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     x_before = x.clone()
     loss = model.forward_backward(input_args=(x,), label=y,
-                                  loss_fn=lambda o, t: ((o - t) ** 2).sum())
+                                  loss_fn=lambda o, t: ((o - t) ** 2).sum(), loss_reduction="sum")
     assert torch.equal(x, x_before)                     # the caller's batch is untouched
     model._steps.wait()
     ref_loss = 0
@@ -253,7 +253,7 @@ def test_faked_cuda_moves_the_same_bytes_and_pins_exact_sizes(fake_cuda):
         x, y = torch.randn(8, 8).bfloat16(), torch.randn(8, 4)
         opt = rpo.SGD(model.optim_parameters(), lr=0.1)
         model.forward_backward(input_args=(x,), label=y,
-                               loss_fn=lambda o, t: ((o.float() - t) ** 2).sum(), optimizer=opt)
+                               loss_fn=lambda o, t: ((o.float() - t) ** 2).sum(), optimizer=opt, loss_reduction="sum")
         model.synchronize()
         stats = model.pipeline_stats()
         results.append(({k: v for k, v in stats.items() if k.endswith("bytes") and k != "pinned_bytes"},
@@ -297,7 +297,7 @@ def test_the_callers_autocast_reaches_the_layers_on_every_worker():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
         loss = model.forward_backward(input_args=(x,), label=y,
-                                      loss_fn=lambda o, t: ((o.float() - t) ** 2).sum())
+                                      loss_fn=lambda o, t: ((o.float() - t) ** 2).sum(), loss_reduction="sum")
         ref_loss = sum(((ref(xm).float() - ym) ** 2).sum()
                        for xm, ym in zip(torch.tensor_split(x, 2), torch.tensor_split(y, 2)))
     assert out.dtype == torch.bfloat16

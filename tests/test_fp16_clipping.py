@@ -212,10 +212,10 @@ def train_roundpipe(mode: str, clip: bool = True, steps: int = STEPS, scaler=Non
         torch.manual_seed(step)
         if mode == "exact":
             model.forward_backward(input_args=(x.half(),), label=y, loss_fn=loss_fn,
-                                   optimizer=opt, grad_scaler=scaler, **kw)
+                                   optimizer=opt, grad_scaler=scaler, **kw, loss_reduction="sum")
         else:
             model.forward_backward(input_args=(x.half(),), label=y, loss_fn=loss_fn,
-                                   grad_scaler=scaler)
+                                   grad_scaler=scaler, loss_reduction="sum")
             model.step(opt, is_async=mode == "async", grad_scaler=scaler, **kw)
         MaybeInf.on = False
         if mode != "async" and sync_each:
@@ -276,13 +276,13 @@ def test_a_skipped_step_changes_nothing():
     opt = rpo.AdamW(model.optim_parameters(), lr=1e-2)
     scaler = GradScaler(init_scale=2.0**8)
     x, y = batch(0)
-    model.forward_backward(input_args=(x.half(),), label=y, loss_fn=loss_fn, grad_scaler=scaler)
+    model.forward_backward(input_args=(x.half(),), label=y, loss_fn=loss_fn, grad_scaler=scaler, loss_reduction="sum")
     model.step(opt, grad_scaler=scaler)
     before = ([p.clone() for p in model.optim_parameters()], copy.deepcopy(opt.state_dict()),
               [p.clone() for p in model.module.parameters()])
     MaybeInf.on = True
     try:
-        model.forward_backward(input_args=(x.half(),), label=y, loss_fn=loss_fn, grad_scaler=scaler)
+        model.forward_backward(input_args=(x.half(),), label=y, loss_fn=loss_fn, grad_scaler=scaler, loss_reduction="sum")
     finally:
         MaybeInf.on = False
     model.step(opt, grad_scaler=scaler, max_grad_norm=1.0)
@@ -323,7 +323,7 @@ def test_clipping_without_a_scaler_and_the_documented_errors():
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
         x, y = batch(step)
-        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, loss_reduction="sum")
         model.step(opt, max_grad_norm=0.05)
         for xm, ym in zip(torch.tensor_split(x, 2), torch.tensor_split(y, 2)):
             loss_fn(ref(xm), ym).backward()
@@ -336,27 +336,27 @@ def test_clipping_without_a_scaler_and_the_documented_errors():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     x, y = batch(0)
     with pytest.raises(TypeError, match="max_grad_norm"):
-        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, max_grad_norm=1.0)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, max_grad_norm=1.0, loss_reduction="sum")
     with pytest.raises(ValueError, match="norm_type"):
         model.step(opt, max_grad_norm=1.0, norm_type=1)
     with pytest.raises(ValueError, match="max_grad_norm"):
         model.step(opt, max_grad_norm=-1.0)
     with pytest.raises(TypeError, match="GradScaler"):
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn,
-                               grad_scaler=torch.amp.GradScaler("cpu"))
+                               grad_scaler=torch.amp.GradScaler("cpu"), loss_reduction="sum")
     scaler = GradScaler()
-    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, grad_scaler=scaler)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, grad_scaler=scaler, loss_reduction="sum")
     with pytest.raises(ValueError, match="grad_scaler"):
         model.step(opt)                                      # the gradients are scaled
     with pytest.raises(ValueError, match="same grad_scaler"):
-        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, loss_reduction="sum")
     model.step(opt, grad_scaler=scaler)
     MaybeInf.on = False
     inf_net = nn.Sequential(nn.Linear(8, 8), MaybeInf(), nn.Linear(8, 4))
     inf_model = RoundPipe(inf_net)
     MaybeInf.on = True
     try:
-        inf_model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        inf_model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, loss_reduction="sum")
     finally:
         MaybeInf.on = False
     with pytest.raises(RuntimeError, match="non-finite"):

@@ -326,7 +326,7 @@ def test_hf_attributes_checkpointing_and_input_errors():
     target = torch.zeros_like(logits)
     loss = w.forward_backward(input_kwargs={"input_ids": batch["input_ids"]}, label=target,
                               loss_fn=lambda out, y: (out - y).square().sum() / target.numel(),
-                              num_microbatch=3)
+                              num_microbatch=3, loss_reduction="sum")
     torch.testing.assert_close(loss, (logits - target).square().mean(), rtol=1e-5, atol=1e-6)
 
 

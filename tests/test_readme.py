@@ -1,6 +1,7 @@
 """Every ```python block of README.md runs as pasted: each in a fresh interpreter (its own
 subprocess, in an empty working directory, on the CPU: CUDA_VISIBLE_DEVICES is emptied),
-bounded by a timeout. There is no way to exclude a block: make it complete (a model, data,
+bounded by a timeout, and each must print something (its loss going down, or what it
+demonstrates). There is no way to exclude a block: make it complete (a model, data,
 ``loss_fn``, small sizes). A block that is a script for ``torchrun`` says so on its first
 line, ``# NAME.py, started ... by torchrun ...``: it is saved as NAME.py and started as the
 README starts it, by torchrun, with two processes on this machine.
@@ -68,3 +69,6 @@ def test_readme_block_runs_as_pasted(code, tmp_path):
     r = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=240)
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    # a block shows what it did (its loss going down, what it demonstrates): silence proves
+    # nothing to the reader who pastes it
+    assert r.stdout.strip(), "the block prints nothing: make it show that it trained"

@@ -49,7 +49,7 @@ def test_moves_that_change_nothing_return_the_model_unchanged():
     half = RoundPipe(mlp().half(), device="cpu")
     assert half.half() is half and half.to(torch.float16) is half
     x, y = torch.randn(6, 8), torch.randn(6, 4)  # still trains
-    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, loss_reduction="sum")
 
 
 @pytest.mark.parametrize("call", ["half", "double", "bfloat16", "meta", "cuda", "share_memory",
@@ -91,7 +91,7 @@ def test_floating_inputs_are_cast_to_the_model_dtype_and_labels_are_not():
         seen.append((out.dtype, label.dtype))
         return loss_fn(out, label)
 
-    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=recording_loss)
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=recording_loss, loss_reduction="sum")
     ref_loss = loss_fn(ref(x.to(torch.bfloat16)), y)
     ref_loss.backward()
     assert seen == [(torch.bfloat16, torch.float32)]
@@ -196,7 +196,7 @@ def test_layers_compiled_before_wrapping_train_as_plain_pytorch():
     graphs = []
     for step in range(3):
         x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
-        loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, loss_reduction="sum")
         model.step(opt)
         ref_loss = sum(loss_fn(ref(xm), ym) for xm, ym in zip(torch.tensor_split(x, 3),
                                                                torch.tensor_split(y, 3)))

@@ -135,6 +135,28 @@ class GradScaler:
             self._min_scale = float(state_dict.get("min_scale", self._min_scale))
             self._overflows = int(state_dict.get("_overflows", 0))
 
+    # --- torch.amp.GradScaler's training calls: the wrapper makes them ----------------------------
+
+    def scale(self, outputs: Any) -> Any:
+        """Not used with RoundPipe: raises ``RuntimeError`` naming what does it (the loss
+        is scaled inside ``forward_backward(..., grad_scaler=scaler)``)."""
+        raise RuntimeError(_HABIT.format(call="scale(loss).backward()"))
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Not used with RoundPipe: raises ``RuntimeError`` (the step unscales, inside
+        ``model.step(opt, grad_scaler=scaler)``; clip there with ``max_grad_norm=``)."""
+        raise RuntimeError(_HABIT.format(call="unscale_(opt)"))
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        """Not used with RoundPipe: raises ``RuntimeError`` (``model.step(opt,
+        grad_scaler=scaler)`` skips an overflowing step)."""
+        raise RuntimeError(_HABIT.format(call="step(opt)"))
+
+    def update(self, new_scale: Any = None) -> None:
+        """Not used with RoundPipe: raises ``RuntimeError`` (``model.step(opt,
+        grad_scaler=scaler)`` updates the scale)."""
+        raise RuntimeError(_HABIT.format(call="update()"))
+
     # --- what the wrapper calls ----------------------------------------------------------------------
 
     def _update(self, found_inf: bool, used_scale: float) -> bool:
@@ -174,6 +196,12 @@ class GradScaler:
                 f"backoff_factor={self._backoff_factor}, growth_interval={self._growth_interval}, "
                 f"enabled={self._enabled}, hysteresis={self._hysteresis}, "
                 f"min_scale={self._min_scale})")
+
+
+_HABIT = (
+    "roundpipe.GradScaler.{call}: RoundPipe scales, unscales, skips and updates inside its own "
+    "calls; pass the scaler to both: loss = model.forward_backward(..., grad_scaler=scaler) "
+    "then model.step(opt, grad_scaler=scaler) (clip with max_grad_norm= there)")
 
 
 def _f32(x: float) -> float:

@@ -9,7 +9,7 @@ is a function with the signature of :func:`split_microbatches`, given to ``Round
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -46,6 +46,79 @@ def split_microbatches(args: tuple, kwargs: dict, label: Any, n: int) -> list[Mi
         for x in leaves
     ]
     return [tree_unflatten([p[i] for p in pieces], spec) for i in range(n)]
+
+
+LOSS_REDUCTIONS = ("mean", "token_mean", "sum")
+
+
+def check_loss_reduction(reduction: Any, where: str) -> None:
+    """Raises ``ValueError`` naming ``loss_reduction`` unless it is one of
+    :data:`LOSS_REDUCTIONS` or a callable."""
+    if not (callable(reduction) or (isinstance(reduction, str) and reduction in LOSS_REDUCTIONS)):
+        raise ValueError(f"{where}: loss_reduction must be one of {LOSS_REDUCTIONS} or a callable "
+                         f"(a microbatch's label -> its number of items), got {reduction!r}")
+
+
+def loss_shares(microbatches: list[Microbatch], reduction: Any,
+                ignore_index: int = -100) -> Optional[list[float]]:
+    """Each microbatch's share of the batch: the factor its ``loss_fn`` result is weighted by,
+    so that a ``loss_fn`` returning the *mean* over its microbatch gives the mean over the
+    whole batch (its value and its gradient) for any number of microbatches.
+
+    Args:
+        microbatches: ``(args, kwargs, label)`` per microbatch.
+        reduction: ``"mean"``: rows (the leading dimension of a microbatch's first tensor with
+            a dimension, as :func:`split_microbatches` cuts them); ``"token_mean"``: the label's
+            elements not equal to ``ignore_index`` (a label aligned with the output, as
+            ``F.cross_entropy(..., ignore_index=-100)`` counts them); a callable: its result on
+            each microbatch's label (an int or a 0-dim tensor), e.g. a count of shifted
+            tokens; ``"sum"``: no weighting (the losses are summed).
+
+    Returns:
+        ``count_i / sum(counts)`` per microbatch (all 0.0 when nothing is counted: a batch
+        with no scored token gives a zero loss and zero gradients), or None for ``"sum"`` and
+        for one microbatch of share 1 (nothing to weight).
+
+    Raises:
+        ValueError: ``"mean"`` with several microbatches of which one has no tensor with a
+            batch dimension (a custom ``split_fn``); a count that is negative.
+        TypeError: ``"token_mean"`` with a label that is not a tensor; a callable returning
+            something else than a number.
+    """
+    if reduction == "sum":
+        return None
+    counts = []
+    for i, (args, kwargs, label) in enumerate(microbatches):
+        if reduction == "mean":
+            count = batch_size((args, kwargs, label))
+            if count is None:
+                if len(microbatches) == 1:
+                    return None
+                raise ValueError(
+                    f"loss_reduction='mean': microbatch {i} has no tensor with a batch dimension "
+                    "to count its rows; pass loss_reduction='sum' (each loss_fn result then "
+                    "counts as it is) or a callable counting a microbatch's items")
+        elif reduction == "token_mean":
+            if not isinstance(label, torch.Tensor):
+                raise TypeError("loss_reduction='token_mean' counts the label's elements not equal "
+                                f"to {ignore_index}: label must be a tensor, got "
+                                f"{type(label).__name__}")
+            count = int((label != ignore_index).sum())
+        else:
+            count = reduction(label)
+            if isinstance(count, torch.Tensor) and count.numel() == 1:
+                count = count.item()
+            if isinstance(count, bool) or not isinstance(count, (int, float)):
+                raise TypeError("loss_reduction: the callable must return a microbatch's number "
+                                f"of items (a number), got {type(count).__name__}")
+        if count < 0:
+            raise ValueError(f"loss_reduction: microbatch {i} counts {count} items (must be >= 0)")
+        counts.append(count)
+    total = sum(counts)
+    if total == 0:
+        return [0.0] * len(counts)
+    shares = [c / total for c in counts]
+    return None if shares == [1.0] else shares
 
 
 def merge_outputs(outputs: list[Any]) -> Any:

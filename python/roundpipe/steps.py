@@ -27,6 +27,7 @@ import functools
 import math
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -35,6 +36,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils._pytree import tree_map
 
+from . import guards
 from .clipping import Clip, total_norm
 from .context import OptimizerCtx
 from .distributed import Reduction
@@ -140,6 +142,8 @@ class Steps:
         self.thread = OptimizerThread(num_layers, on_error=self.discard)
         self.gates = self.thread.gates
         self._hooked: "weakref.WeakSet" = weakref.WeakSet()
+        self._reaching: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._warned_idle = False                   # a step function that changed nothing
         self.report = StepReport()
         self._called = False                        # forward_backward since the last step
         self._verdicts = False                      # a step with clipping or scaling ran
@@ -301,10 +305,10 @@ class Steps:
         and exact mode call ``opt.step()`` once all gradients are there."""
         if not isinstance(opt, CpuOptimizer):
             return False
-        user_pre_hooks = [h for h in opt._optimizer_step_pre_hooks.values()
-                          if not getattr(h, "roundpipe_wait", False)]
-        if (user_pre_hooks or opt._optimizer_step_post_hooks
-                or _global_optimizer_pre_hooks or _global_optimizer_post_hooks):
+        if (guards.user_hooks(opt._optimizer_step_pre_hooks.values())
+                or opt._optimizer_step_post_hooks
+                or guards.user_hooks(_global_optimizer_pre_hooks.values())
+                or _global_optimizer_post_hooks):
             return False
         ours = {id(p) for p in self.copies.optim}
         return all(id(p) in ours for g in opt.param_groups for p in g["params"])
@@ -312,9 +316,44 @@ class Steps:
     def begin_exact(self, opt: torch.optim.Optimizer, last_stage: int) -> Optional[ExactStep]:
         """Exact overlapped mode stepping each stage as it finishes, if ``opt`` can be stepped
         layer by layer, else None (then it is stepped after the backward)."""
+        self.check_reaches(opt, "RoundPipe.forward_backward")
         self.hook_optimizer(opt)
         layerwise = self.check_optimizer(opt, "RoundPipe.forward_backward")
         return ExactStep(opt, last_stage) if layerwise else None
+
+    def check_reaches(self, opt: torch.optim.Optimizer, where: str) -> None:
+        """Checks that ``opt`` steps this wrapper's optimizer copies: an optimizer built on the
+        model copies (``model.parameters()`` outside :class:`OptimizerCtx`) would be given no
+        gradient and train nothing. Cached per optimizer until its parameter lists change.
+
+        Raises:
+            TypeError: ``opt`` holds a model copy that has a separate optimizer copy, or none
+                of this wrapper's optimizer copies.
+        """
+        key = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
+        if self._reaching.get(opt) == key:
+            return
+        copies = self.copies
+        optim = {id(o) for o in copies.optim}
+        models = {id(m): n for m, o, n in zip(copies.model, copies.optim, copies.names)
+                  if m is not o}
+        held = [p for g in opt.param_groups for p in g["params"]]
+        how = guards.HOW
+        for p in held:
+            if id(p) in models and id(p) not in optim:
+                raise TypeError(
+                    f"{where}: {type(opt).__name__} holds the model copy of {models[id(p)]!r} "
+                    "(built on model.parameters() outside OptimizerCtx), which is only what the "
+                    "devices compute with: it gets no gradient and stepping it would train "
+                    f"nothing; {how}")
+        if not any(id(p) in optim for p in held):
+            raise TypeError(
+                f"{where}: {type(opt).__name__} holds none of this model's optimizer copies, so "
+                f"the step would train nothing; {how}")
+        try:
+            self._reaching[opt] = key
+        except TypeError:
+            pass
 
     def check_optimizer(self, opt: torch.optim.Optimizer, where: str) -> bool:
         """Whether ``opt`` is stepped layer by layer (:meth:`layerwise`), after checking what
@@ -355,6 +394,7 @@ class Steps:
               scaler: Optional[GradScaler], scale: float, clip: Optional[Clip]) -> _Plan:
         twin = None
         if isinstance(step_fn, torch.optim.Optimizer):
+            self.check_reaches(step_fn, "RoundPipe.step")
             self.hook_optimizer(step_fn)
             shot = snapshot(step_fn)
             if self.check_optimizer(step_fn, "RoundPipe.step"):
@@ -514,12 +554,23 @@ class Steps:
                         g.mul_(coef)
         for o, g in zip(copies.optim, grads):  # a torch optimizer's .grad: the param's dtype
             o.grad = g if g is None or g.dtype == o.dtype else g.to(o.dtype)
+        before = [(o, o._version) for o, g in zip(copies.optim, grads) if g is not None]
         try:
-            with OptimizerCtx():
-                return plan.fn()
+            with OptimizerCtx(), guards.inside_step():
+                result = plan.fn()
         finally:
             for o in copies.optim:
                 o.grad = None
+        if before and not self._warned_idle and all(o._version == v for o, v in before):
+            self._warned_idle = True
+            warnings.warn(
+                "RoundPipe.step: the step function changed none of the optimizer copies that "
+                "had a gradient, so this step trained nothing (its gradients are consumed). "
+                "Fine if it only read them; to train, it must step an optimizer built on "
+                "model.optim_parameters() (or on model.parameters() inside "
+                "roundpipe.OptimizerCtx): model.step(opt), or model.step(lambda: (opt.step(), "
+                "opt.zero_grad())). Warned once per model", UserWarning, stacklevel=2)
+        return result
 
     def _fused(self, twin, owned: set, indices: list[int], grads: dict, write_back: bool,
                scale: float = 1.0, clip: float = 1.0, want_norm: bool = False) -> float:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from . import guards
 from . import microbatch as mb
 from .context import OptimizerCtx
 from .clipping import Clip
@@ -249,6 +250,8 @@ class RoundPipe(nn.Module):
             reduction = (ShardedReduction if self._comm.shard else ReplicatedReduction)(
                 self._copies, self._comm)
         self._steps = Steps(self._copies, len(self._layers), self._stats, reduction)
+        guards.register_copies(self._copies.optim, [m for m, o in zip(
+            self._copies.model, self._copies.optim) if m is not o], self._steps)
         if self.devices[0].type == "cuda":
             from .transfer.cuda import CudaIO, HostWrites
             writes = HostWrites()
@@ -417,7 +420,12 @@ class RoundPipe(nn.Module):
         ``torch.compile(model)`` / ``model.compile()`` do not compile a RoundPipe (its pipeline
         of threads and transfers cannot be traced, and ``forward_backward`` is not even seen
         by them): the call runs eagerly, with a warning. Compile the layers before wrapping
-        them instead (see the README, "torch.compile")."""
+        them instead (see the README, "torch.compile").
+
+        In training mode with gradients enabled, the floating outputs have
+        ``requires_grad=True`` and a grad function whose backward raises an error naming
+        :meth:`forward_backward` (training runs through it: this pass keeps no graph); under
+        ``torch.no_grad()`` or in eval mode they are plain tensors."""
         if torch.compiler.is_compiling():  # traced by torch.compile: run eagerly, say so
             return _uncompiled()(self, args, num_microbatch, kwargs)
         with self._call("forward"):
@@ -427,7 +435,10 @@ class RoundPipe(nn.Module):
                 run = self._run_pass(spec)
             finally:
                 spec.store.clear()
-            return mb.merge_outputs([slot.get(None)[0] for slot in run.acts[-1]])
+            out = mb.merge_outputs([slot.get(None)[0] for slot in run.acts[-1]])
+        if self.training and torch.is_grad_enabled() and not in_layer():
+            out = guards.finished(out)  # .backward() from it raises, naming forward_backward
+        return out
 
     def forward_backward(self, input_args: tuple = (), input_kwargs: Optional[dict] = None,
                          label: Any = None, loss_fn: Callable[..., torch.Tensor] = None,
@@ -435,7 +446,7 @@ class RoundPipe(nn.Module):
                          optimizer: Optional[torch.optim.Optimizer] = None, *,
                          grad_scaler: Optional[GradScaler] = None,
                          max_grad_norm: Optional[float] = None, norm_type: float = 2.0,
-                         error_if_nonfinite: bool = False):
+                         error_if_nonfinite: bool = False, loss_reduction: Any = "mean"):
         """One forward and backward pass over a batch, in microbatches.
 
         The batch is split into microbatches (dim 0 of every batched tensor of ``input_args``,
@@ -449,9 +460,32 @@ class RoundPipe(nn.Module):
         The caller's ``torch.autocast`` state applies to the layers and ``loss_fn``. Every
         tensor a layer receives is its own copy (in-place operations on inputs are safe).
 
-        Loss convention: the gradients are those of the *sum* of the microbatch losses, and
-        that sum is returned. For a mean over the whole batch, make ``loss_fn`` return its
-        microbatch's share (e.g. a sum-reduced loss divided by the total number of samples).
+        **Loss convention** (``loss_reduction``): write ``loss_fn`` as for plain PyTorch, the
+        mean over its microbatch (``F.mse_loss(out, y)``, ``F.cross_entropy(...)``). Each
+        microbatch's loss is weighted by its share of the batch before its backward, so the
+        returned loss and the gradients are those of the loss over the whole batch, for any
+        number of microbatches and devices:
+
+        - ``"mean"`` (default): shares by rows (a microbatch's leading dimension);
+        - ``"token_mean"``: shares by the label's elements not equal to -100 (a token mean
+          such as ``F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)``,
+          the label aligned with the output); a batch with no such element gives a zero loss
+          and zero gradients;
+        - a callable: ``loss_reduction(label_i)`` is microbatch ``i``'s number of items
+          (e.g. ``lambda y: (y[:, 1:] != -100).sum()`` for a loss that shifts its labels);
+        - ``"sum"``: no weighting, the gradients are those of the *sum* of the microbatch
+          losses, and that sum is returned (for a ``loss_fn`` that returns its microbatch's
+          share itself, e.g. a sum divided by a count over the whole batch, as before 0.2).
+
+        With data parallelism the mean is this rank's; ``grad_reduction="mean"`` over ranks
+        of equal batches then gives the mean over every rank's batch, as DDP. Hugging Face
+        models wrapped by :func:`roundpipe.wrap_model_to_roundpipe` without ``loss_fn`` keep
+        HF's token mean over the whole batch.
+
+        The returned loss has ``requires_grad=True`` and a grad function whose backward raises
+        (the backward already ran in this call: ``loss.backward()`` is the habit of a plain
+        loop, and would otherwise fail with torch's generic message); read it with
+        ``.item()`` / ``float()`` or ``.detach()``.
 
         Gradients: each stage's parameter gradients are summed over the call's microbatches on
         its device (fp32, in microbatch order) and downloaded once; on the host they
@@ -486,14 +520,17 @@ class RoundPipe(nn.Module):
             ``return_outputs=True`` (outputs merged over microbatches, on the host).
 
         Args (besides the batch): ``max_grad_norm``, ``norm_type``, ``error_if_nonfinite``:
-            clipping of exact mode's step, as in :meth:`step`.
+            clipping of exact mode's step, as in :meth:`step`; ``loss_reduction``: see the
+            loss convention above.
 
         Raises:
             TypeError: ``loss_fn`` is missing or returns something else than a 1-element
-                tensor, ``optimizer`` is not a torch optimizer, ``grad_scaler`` is not a
-                roundpipe.GradScaler, or ``max_grad_norm`` is given without ``optimizer``.
-            ValueError: a bad ``max_grad_norm`` / ``norm_type``, or the calls of one step use
-                different grad scalers.
+                tensor, ``optimizer`` is not a torch optimizer or holds no optimizer copy of
+                this model (see :meth:`step`), ``grad_scaler`` is not a roundpipe.GradScaler,
+                ``max_grad_norm`` is given without ``optimizer``, or ``"token_mean"`` is given
+                with a label that is not a tensor.
+            ValueError: a bad ``max_grad_norm`` / ``norm_type`` or ``loss_reduction``, or the
+                calls of one step use different grad scalers.
             RuntimeError: the loss does not require grad; or the call was made from inside
                 this model's own call (see the class docstring).
             The error of a failed asynchronous step (see :meth:`step`). Exceptions from the
@@ -505,11 +542,15 @@ class RoundPipe(nn.Module):
             raise TypeError("RoundPipe.forward_backward: optimizer must be a torch.optim."
                             f"Optimizer, got {type(optimizer).__name__}")
         clip = Clip.make(max_grad_norm, norm_type, error_if_nonfinite, "RoundPipe.forward_backward")
+        mb.check_loss_reduction(loss_reduction, "RoundPipe.forward_backward")
+        if optimizer is not None:
+            self._steps.check_reaches(optimizer, "RoundPipe.forward_backward")
         if clip is not None and optimizer is None:
             raise TypeError("RoundPipe.forward_backward: max_grad_norm clips a step: pass it to "
                             "step(), or give optimizer= (exact overlapped mode)")
         with self._call("forward_backward"):
             mbs = self._microbatches(input_args, input_kwargs, label, num_microbatch)
+            shares = mb.loss_shares(mbs, loss_reduction)
             scale = self._steps.begin_call(grad_scaler, exact=optimizer is not None)
             exact = None
             if optimizer is not None and clip is None and scale == 1.0 and not (
@@ -519,7 +560,7 @@ class RoundPipe(nn.Module):
             spec = PassSpec(mbs, True, loss_fn, label is not None, return_outputs,
                             draw_call_seed(), AutocastState.capture(), loss_scale=scale,
                             want_norms=self._steps.want_norms(grad_scaler, deferred and (
-                                clip is not None or scale != 1.0)))
+                                clip is not None or scale != 1.0)), loss_weights=shares)
             earlier = self._steps.pending()  # the step before this call, if still running
             try:
                 run = self._run_pass(spec, self._steps.grad_sink(exact))
@@ -540,7 +581,7 @@ class RoundPipe(nn.Module):
                     self._steps.step_after_backward(optimizer, grad_scaler, clip)
                 else:
                     self._steps.step(optimizer, False, grad_scaler, clip)
-        loss = total.to(torch.float32)
+        loss = guards.finished(total.to(torch.float32))
         return (loss, mb.merge_outputs(outputs)) if return_outputs else loss
 
     # --- the optimizer side --------------------------------------------------------------------------
@@ -613,11 +654,21 @@ class RoundPipe(nn.Module):
 
         Raises:
             TypeError: ``step_fn`` is neither callable nor an optimizer, ``is_async`` is not
-                a bool, or ``grad_scaler`` is not a roundpipe.GradScaler.
+                a bool, ``grad_scaler`` is not a roundpipe.GradScaler, or the optimizer holds
+                a model copy (built on ``model.parameters()`` outside :class:`OptimizerCtx`
+                while the optimizer copies are separate) or none of this model's optimizer
+                copies: it would train nothing.
             ValueError: ``grad_scaler`` is not the one the calls since the last step used, or a
                 bad ``max_grad_norm`` / ``norm_type``.
             RuntimeError: called from inside this model's own call (e.g. a closure optimizer
                 whose closure calls ``forward_backward``).
+
+        A callable ``step_fn`` that changed none of the optimizer copies that had a gradient
+        (it trained nothing, or only read them) gets a ``UserWarning``, once per model.
+        Stepping an optimizer over this model's optimizer copies outside ``step`` (a plain
+        loop's ``opt.step()``) raises ``RuntimeError`` naming ``model.step(opt)``, the
+        accumulated gradients kept for it; stepping one over the model copies, anywhere,
+        raises ``TypeError``.
         """
         if not isinstance(is_async, bool):
             raise TypeError(f"RoundPipe.step: is_async must be a bool, got {type(is_async).__name__}")

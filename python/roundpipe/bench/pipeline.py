@@ -107,8 +107,9 @@ class _Contender:
         return torch.randint(self.args.vocab, (self.args.batch, self.args.seq + 1), generator=g)
 
     def loss_fn(self, logits, target):
-        return nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten(),
-                                           reduction="sum") / self.tokens
+        """The mean over the (micro)batch's tokens, as in plain PyTorch (every row has
+        ``--seq`` tokens, so RoundPipe's row shares make it the whole batch's mean)."""
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
     def run(self) -> dict:
         """One repeat: ``--iters`` timed iterations; returns its measurements."""

@@ -142,7 +142,8 @@ class HFRoundPipe(RoundPipe):
         ``loss_chunk_size`` tokens, never materialising the logits.
 
         With ``loss_fn``: as :class:`~roundpipe.RoundPipe`, ``loss_fn`` receiving the logits
-        ``(b, S, V)`` of each microbatch (and its ``label``).
+        ``(b, S, V)`` of each microbatch (and its ``label``), weighted by ``loss_reduction``
+        (default ``"mean"``: rows; ``"token_mean"`` for a token mean over an aligned label).
 
         Raises:
             TypeError: no ``loss_fn`` and no ``labels``; ``input_args`` without ``loss_fn``
@@ -160,6 +161,10 @@ class HFRoundPipe(RoundPipe):
         if input_args:
             raise TypeError("RoundPipe.forward_backward: pass the model inputs as input_kwargs "
                             "(input_ids=..., labels=...)")
+        if "loss_reduction" in step_kwargs:
+            raise TypeError("RoundPipe.forward_backward: loss_reduction is for a custom loss_fn; "
+                            "HF's built-in loss is the token mean over the whole batch "
+                            "(num_items_in_batch in input_kwargs sets its denominator)")
         if return_outputs:
             raise TypeError("RoundPipe.forward_backward: return_outputs=True needs a loss_fn (the "
                             "built-in loss never materialises the logits)")
@@ -179,7 +184,8 @@ class HFRoundPipe(RoundPipe):
         denominator = float(num_items)
         stats = self._begin_routing()
         loss = super().forward_backward((), inputs, None, lambda total: total / denominator,
-                                        False, num_microbatch, optimizer, **step_kwargs)
+                                        False, num_microbatch, optimizer, loss_reduction="sum",
+                                        **step_kwargs)
         if stats is not None:
             loss = loss + self._routing.coef * stats.aux_loss()
         return loss

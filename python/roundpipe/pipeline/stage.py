@@ -71,6 +71,11 @@ class PassSpec:
             GradScaler) before its backward; the reported loss is not.
         want_norms: compute each downloaded gradient's squared norm on the device (a step
             with a loss scaler or clipping needs them).
+        loss_weights: per microbatch, the factor its loss is multiplied by before its
+            backward and in the reported loss (its share of the batch; None: 1 for every
+            microbatch, the ``"sum"`` convention). A microbatch of weight 0 contributes a
+            zero loss and zero gradients even where its ``loss_fn`` is not finite (a
+            token mean over no token).
     """
 
     microbatches: list
@@ -83,6 +88,7 @@ class PassSpec:
     store: dict = field(default_factory=dict)
     loss_scale: float = 1.0
     want_norms: bool = False
+    loss_weights: Optional[list[float]] = None
 
 
 class _StageInput(torch.autograd.Function):
@@ -95,6 +101,16 @@ class _StageInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad
+
+
+def _weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
+    """``loss`` times its microbatch's share of the batch, in float32 at least (a bf16 or fp16
+    loss would round the share); a share of 0 gives an exact 0 and zero gradients, also for a
+    loss that is NaN there (a mean over no token)."""
+    loss = loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+    if weight == 0.0:
+        return torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0
+    return loss * weight
 
 
 def _leaves(tree: Any) -> list:
@@ -190,6 +206,8 @@ class StageVisit:
                         "detached or computed under no_grad, or nothing in the model is "
                         "trainable), so backward would train nothing; loss.backward() raises "
                         "the same way")
+                if spec.loss_weights is not None:
+                    loss = _weighted(loss, spec.loss_weights[m])
                 out["loss"] = io.to_host(loss.detach().reshape(()).double(), "output")
                 if spec.return_outputs:
                     out["output"] = io.to_host(y, "output")

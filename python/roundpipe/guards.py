@@ -1,0 +1,155 @@
+"""Loud failures for the habits of a plain PyTorch loop, which would otherwise train nothing
+without a word:
+
+- ``loss.backward()`` on the loss :meth:`RoundPipe.forward_backward` returned (its backward
+  already ran), or on a loss computed from :meth:`RoundPipe.forward`'s outputs in training
+  mode (the pipeline ran without autograd): those tensors carry a grad function whose
+  backward raises an error naming ``forward_backward`` (:func:`finished`);
+- ``opt.step()`` outside ``model.step(opt)`` on an optimizer over a RoundPipe's optimizer
+  copies: their gradients are held by the wrapper until ``model.step``, so the step would
+  change nothing and the gradients would keep accumulating; and stepping, anywhere, an
+  optimizer over a RoundPipe's model copies (built on ``model.parameters()`` outside
+  ``OptimizerCtx`` while the optimizer copies are separate), which never get a gradient. A
+  global optimizer step pre-hook (installed when the first RoundPipe is built, never at
+  import) raises instead (:func:`register_copies`, :func:`inside_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+_BACKWARD_MESSAGE = (
+    "RoundPipe: this tensor came out of a RoundPipe model, whose pipeline runs the backward "
+    "itself: call loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn) "
+    "instead of model(x) + loss.backward() (and pass grad_scaler= to forward_backward and "
+    "model.step instead of scaler.scale(loss).backward()); the loss it returns is already "
+    "backpropagated, read it with loss.item()")
+
+
+class _Finished(torch.autograd.Function):
+    """Identity whose backward raises :data:`_BACKWARD_MESSAGE`."""
+
+    @staticmethod
+    def forward(ctx, x, anchor):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(_BACKWARD_MESSAGE)
+
+
+def finished(t: Any) -> Any:
+    """``t`` (a tensor, or a tree of them) with ``requires_grad=True`` and a grad function
+    whose backward raises an error that names ``forward_backward``. Values, dtypes, devices
+    and memory are ``t``'s (a view, no copy). Non-floating tensors are returned as they are
+    (they cannot require grad)."""
+    from torch.utils._pytree import tree_map
+
+    anchor = torch.empty(0, requires_grad=True)
+
+    def wrap(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad:
+            with torch.enable_grad():
+                return _Finished.apply(x, anchor)
+        return x
+
+    return tree_map(wrap, t)
+
+
+# --- opt.step() outside model.step, optimizers over the model copies -----------------------------
+
+_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (weakref to owner, kind)
+_holds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (key, kind)
+_local = threading.local()
+_installed = False
+_install_lock = threading.Lock()
+
+HOW = ("build it on the optimizer copies: opt = roundpipe.optim.AdamW(model.optim_parameters(), "
+       "...), or create it inside `with roundpipe.OptimizerCtx():`, where model.parameters() "
+       "returns them, and step it with model.step(opt)")
+
+
+def register_copies(optim: Iterable[torch.Tensor], model: Iterable[torch.Tensor],
+                    owner: Any) -> None:
+    """Marks ``optim`` as the optimizer copies and ``model`` as the model copies that have a
+    separate optimizer copy, of ``owner`` (a RoundPipe's optimizer side, held weakly: a dead
+    owner's tensors are free again), and installs the step pre-hook."""
+    global _installed
+    ref = weakref.ref(owner)
+    for p in model:
+        _copies[p] = (ref, "model")
+    for p in optim:
+        _copies[p] = (ref, "optim")
+    with _install_lock:
+        if not _installed:
+            register_optimizer_step_pre_hook(_refuse)
+            _installed = True
+
+
+@contextlib.contextmanager
+def inside_step():
+    """The calling thread runs a RoundPipe step: optimizers over optimizer copies may step."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def holds(opt: torch.optim.Optimizer) -> Any:
+    """``"model"`` when ``opt`` holds a live RoundPipe's model copy (one with a separate
+    optimizer copy), else ``"optim"`` when it holds an optimizer copy, else None. Cached per
+    optimizer until its parameter lists change."""
+    key = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
+    cached = _holds.get(opt)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    kind = None
+    for g in opt.param_groups:
+        for p in g["params"]:
+            entry = _copies.get(p)
+            if entry is not None and entry[0]() is not None:
+                kind = entry[1]
+                if kind == "model":
+                    break
+        if kind == "model":
+            break
+    try:
+        _holds[opt] = (key, kind)
+    except TypeError:  # not weak-referenceable: no cache
+        pass
+    return kind
+
+
+def _refuse(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    kind = holds(opt)
+    if kind == "model":
+        raise TypeError(
+            f"{type(opt).__name__}.step(): this optimizer holds a RoundPipe model's model copies "
+            "(built on model.parameters() outside OptimizerCtx), which are only what the devices "
+            f"compute with: they get no gradient and stepping them trains nothing; {HOW}")
+    if kind == "optim" and not getattr(_local, "depth", 0):
+        raise RuntimeError(
+            f"{type(opt).__name__}.step() was called on an optimizer over a RoundPipe model's "
+            "optimizer copies outside model.step(): the wrapper holds the accumulated gradients "
+            "until its own step, so this step would change nothing. Call model.step(opt) "
+            "instead of opt.step(); opt.zero_grad() (or model.step(lambda: (opt.step(), "
+            "opt.zero_grad())) with a step function of your own); the accumulated gradients "
+            "are kept for it")
+
+
+_refuse.roundpipe_guard = True  # ours: not a user hook (see Steps.layerwise)
+
+
+def user_hooks(hooks: Iterable[Any]) -> list:
+    """The hooks among ``hooks`` (an optimizer's or the global step hooks) that are not
+    RoundPipe's own."""
+    return [h for h in hooks if not (getattr(h, "roundpipe_guard", False)
+                                     or getattr(h, "roundpipe_wait", False))]

@@ -1,0 +1,369 @@
+"""What a PyTorch user does by habit either works or raises an error that says what to do
+(issue 22); each of these trained nothing, or the wrong amount, without a word before.
+
+References are plain PyTorch loops written here on the whole batch (never RoundPipe output).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import roundpipe
+import roundpipe.optim as rpo
+from roundpipe import OptimizerCtx, RoundPipe
+
+LR = 0.1
+
+
+def net(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+
+
+def batch(rows=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
+
+
+def mse(out, y):
+    return F.mse_loss(out.float(), y)
+
+
+def reference_sgd_step(model: nn.Module, x, y, steps=1):
+    """Plain PyTorch: SGD on the whole batch's mean loss, in float32."""
+    ref = copy.deepcopy(model).float()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for _ in range(steps):
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return ref
+
+
+def assert_weights(model: RoundPipe, ref: nn.Module, tol=1e-6):
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=name)
+
+
+# --- 1. the optimizer must reach the optimizer copies ---------------------------------------
+
+# (model dtype, optim_dtype): whether model.parameters() outside OptimizerCtx are the optimizer
+# copies themselves (one copy), else the model copies that an optimizer cannot train
+COMBINATIONS = [
+    (torch.float32, torch.float32, True),     # one copy: trains
+    (torch.float32, None, False),             # a separate float32 copy
+    (torch.bfloat16, torch.float32, False),
+    (torch.bfloat16, None, False),
+    (torch.bfloat16, torch.bfloat16, True),   # one copy (bf16 master weights)
+]
+
+
+@pytest.mark.parametrize("model_dtype,optim_dtype,one_copy", COMBINATIONS)
+@pytest.mark.parametrize("optimizer", ["torch", "roundpipe"])
+@pytest.mark.parametrize("mode", ["step", "exact", "step_fn"])
+def test_an_optimizer_on_model_parameters_trains_or_raises(model_dtype, optim_dtype, one_copy,
+                                                           optimizer, mode):
+    model = RoundPipe(net(model_dtype), optim_dtype=optim_dtype, device="cpu", num_microbatch=2)
+    if optimizer == "torch":
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+    else:
+        opt = rpo.SGD(model.parameters(), lr=LR, stochastic_rounding=model_dtype == torch.bfloat16)
+    x, y = batch()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def run():
+        if mode == "exact":
+            model.forward_backward(input_args=(x,), label=y, loss_fn=mse, optimizer=opt)
+        else:
+            model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+            model.step(opt if mode == "step" else lambda: (opt.step(), opt.zero_grad()))
+        model.synchronize()
+
+    if not one_copy:
+        with pytest.raises((TypeError, RuntimeError),
+                           match="optim_parameters|OptimizerCtx") as info:
+            run()
+        assert "model copies" in str(info.value) or "model copy" in str(info.value)
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        return
+    run()
+    if model_dtype == torch.float32:
+        assert_weights(model, reference_sgd_step(net(), x, y))
+    else:  # bf16 master weights: trained (stochastic rounding), close to the float32 step
+        ref = reference_sgd_step(net(torch.bfloat16).float(), x, y)
+        changed = sum(int(not torch.equal(before[k], v)) for k, v in model.state_dict().items())
+        assert changed == len(before)
+        assert_weights(model, ref, tol=2e-2)
+
+
+def test_a_bf16_hf_model_with_torch_adamw_on_model_parameters_raises():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 8))
+    model.forward_backward(input_kwargs={"input_ids": ids, "labels": ids})
+    with pytest.raises(TypeError, match="optim_parameters"):
+        model.step(opt)
+    opt = torch.optim.AdamW(model.optim_parameters(), lr=1e-3)
+    model.forward_backward(input_kwargs={"input_ids": ids, "labels": ids})
+    before = [p.clone() for p in model.optim_parameters()]
+    model.step(opt)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.optim_parameters()))
+
+
+def test_an_optimizer_over_another_models_parameters_raises():
+    model = RoundPipe(net(), optim_dtype=torch.float32, device="cpu")
+    other = RoundPipe(net(), optim_dtype=torch.float32, device="cpu")
+    opt = rpo.SGD(other.optim_parameters(), lr=LR)
+    x, y = batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    with pytest.raises(TypeError, match="none of this model's optimizer copies"):
+        model.step(opt)
+    with pytest.raises(TypeError, match="none of this model's optimizer copies"):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, optimizer=opt)
+
+
+def test_a_step_function_that_changes_no_optimizer_copy_warns_once():
+    """It may only read the gradients (a legitimate use), so a warning, not an error."""
+    model = RoundPipe(net(), device="cpu")
+    x, y = batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    with pytest.warns(UserWarning, match="changed none of the optimizer copies"):
+        model.step(lambda: None)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.step(lambda: None)
+
+
+def test_a_plain_loop_over_the_model_copies_raises():
+    """The habit of a plain loop: opt over model.parameters(), forward_backward, opt.step()."""
+    model = RoundPipe(net(torch.bfloat16), optim_dtype=torch.float32, device="cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    before = [p.clone() for p in model.module.parameters()]
+    with pytest.raises(TypeError, match="model copies.*optim_parameters"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
+
+
+# --- 2. opt.step() outside model.step -----------------------------------------------------------
+
+@pytest.mark.parametrize("optimizer", ["torch", "roundpipe"])
+def test_opt_step_outside_model_step_raises_and_keeps_the_gradients(optimizer):
+    model = RoundPipe(net(), optim_dtype=torch.float32, device="cpu", num_microbatch=3)
+    make = torch.optim.SGD if optimizer == "torch" else rpo.SGD
+    opt = make(model.optim_parameters(), lr=LR)
+    x, y = batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"model\.step\(opt\)"):
+            opt.step()
+        opt.zero_grad()
+    model.step(opt)  # exactly one batch's gradient: neither lost nor applied twice
+    assert_weights(model, reference_sgd_step(net(), x, y))
+    # inside a step function, stepping the optimizer is the point
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    model.step(lambda: (opt.step(), opt.zero_grad()))
+    assert_weights(model, reference_sgd_step(net(), x, y, steps=2))
+
+
+def test_an_optimizer_of_another_model_steps_freely():
+    model = RoundPipe(net(), device="cpu")
+    assert model is not None
+    plain = net()
+    opt = torch.optim.SGD(plain.parameters(), lr=LR)
+    x, y = batch()
+    F.mse_loss(plain(x), y).backward()
+    before = plain[0].weight.clone()
+    opt.step()
+    assert not torch.equal(before, plain[0].weight)
+
+
+# --- 3. a loss_fn written as for plain PyTorch gives plain PyTorch's result ----------------------
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 4])
+def test_a_mean_loss_fn_gives_the_whole_batch_mean(microbatches, devices):
+    model = RoundPipe(net(), optim_dtype=torch.float32, device=["cpu"] * devices)
+    opt = rpo.SGD(model.optim_parameters(), lr=LR)
+    x, y = batch(rows=10)  # 10 rows: uneven microbatches for 3 and 4
+    ref = net()
+    expected = F.mse_loss(ref(x), y)
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse,
+                                  num_microbatch=microbatches)
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-6, atol=1e-7)
+    model.step(opt)
+    assert_weights(model, reference_sgd_step(net(), x, y))
+
+
+def test_token_mean_weights_by_the_labels_counted_tokens():
+    torch.manual_seed(0)
+    emb = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 11))
+    model = RoundPipe(copy.deepcopy(emb), optim_dtype=torch.float32, device="cpu",
+                      num_microbatch=3)
+    opt = rpo.SGD(model.optim_parameters(), lr=LR)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 11, (6, 5), generator=g)
+    labels = torch.randint(0, 11, (6, 5), generator=g)
+    labels[0, 1:] = -100          # microbatches with very different token counts
+    labels[1, :] = -100
+    labels[4, 2:] = -100
+
+    def ce(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+    loss = model.forward_backward(input_args=(ids,), label=labels, loss_fn=ce,
+                                  loss_reduction="token_mean")
+    ref = copy.deepcopy(emb)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    expected = ce(ref(ids), labels)
+    expected.backward()
+    ref_opt.step()
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-6, atol=1e-7)
+    model.step(opt)
+    assert_weights(model, ref)
+
+
+def test_token_mean_with_a_microbatch_of_no_token_stays_finite():
+    torch.manual_seed(0)
+    emb = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 11))
+    model = RoundPipe(copy.deepcopy(emb), optim_dtype=torch.float32, device="cpu",
+                      num_microbatch=2)
+    opt = rpo.SGD(model.optim_parameters(), lr=LR)
+    ids = torch.randint(0, 11, (4, 3))
+    labels = torch.randint(0, 11, (4, 3))
+    labels[:2] = -100                        # the first microbatch scores nothing: NaN mean
+
+    def ce(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+    loss = model.forward_backward(input_args=(ids,), label=labels, loss_fn=ce,
+                                  loss_reduction="token_mean")
+    ref = copy.deepcopy(emb)
+    ce(ref(ids[2:]), labels[2:]).backward()
+    torch.optim.SGD(ref.parameters(), lr=LR).step()
+    assert torch.isfinite(loss)
+    model.step(opt)
+    assert_weights(model, ref)
+
+
+def test_sum_keeps_the_sum_of_the_microbatch_losses():
+    model = RoundPipe(net(), optim_dtype=torch.float32, device="cpu", num_microbatch=3)
+    opt = rpo.SGD(model.optim_parameters(), lr=LR)
+    x, y = batch()
+    # a share of the batch, computed by the caller: the convention before loss_reduction
+    loss = model.forward_backward(input_args=(x,), label=y, loss_reduction="sum",
+                                  loss_fn=lambda o, t: ((o - t) ** 2).sum() / y.numel())
+    torch.testing.assert_close(loss.detach(), F.mse_loss(net()(x), y).detach(), rtol=1e-6,
+                               atol=1e-7)
+    model.step(opt)
+    assert_weights(model, reference_sgd_step(net(), x, y))
+
+
+def test_a_callable_counts_items():
+    model = RoundPipe(net(), optim_dtype=torch.float32, device="cpu", num_microbatch=2)
+    x, y = batch(rows=6)
+    keep = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0])  # rows that count: 3 and 1
+    seen = []
+
+    def count(label):
+        seen.append(label.shape[0])
+        return label[:, 3].sum()                      # a 0-dim tensor
+
+    def masked(o, t):                                  # mean over the rows that count
+        m = t[:, 3]
+        return (((o - t[:, :3]) ** 2).mean(-1) * m).sum() / m.sum().clamp(min=1)
+
+    loss = model.forward_backward(input_args=(x,), label=torch.cat([y, keep[:, None]], 1),
+                                  loss_fn=masked, loss_reduction=count)
+    expected = ((net()(x[:4]) - y[:4]) ** 2).mean()
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-6, atol=1e-7)
+    assert seen == [3, 3]
+
+
+@pytest.mark.parametrize("bad", ["avg", 3, None])
+def test_a_bad_loss_reduction_is_refused_before_anything_runs(bad):
+    model = RoundPipe(net(), device="cpu")
+    x, y = batch()
+    calls = []
+    with pytest.raises(ValueError, match="loss_reduction"):
+        model.forward_backward(input_args=(x,), label=y, loss_reduction=bad,
+                               loss_fn=lambda o, t: calls.append(1) or mse(o, t))
+    assert not calls
+
+
+def test_token_mean_needs_a_tensor_label():
+    model = RoundPipe(net(), device="cpu")
+    x, _ = batch()
+    with pytest.raises(TypeError, match="token_mean"):
+        model.forward_backward(input_args=(x,), loss_fn=lambda o: o.square().mean(),
+                               loss_reduction="token_mean")
+
+
+# --- 4. torch habits get errors that name forward_backward ----------------------------------
+
+def test_backward_on_the_returned_loss_names_forward_backward():
+    model = RoundPipe(net(), device="cpu")
+    x, y = batch()
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    assert loss.requires_grad and loss.dtype == torch.float32 and loss.dim() == 0
+    with pytest.raises(RuntimeError, match="forward_backward"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="forward_backward"):
+        (loss * 2).backward()
+    assert isinstance(loss.item(), float) and loss.detach().numpy().shape == ()
+
+
+def test_backward_from_model_outputs_in_training_names_forward_backward():
+    model = RoundPipe(net(), device="cpu")
+    x, y = batch()
+    out = model(x)
+    with pytest.raises(RuntimeError, match="forward_backward"):
+        F.mse_loss(out, y).backward()
+    with torch.no_grad():
+        assert not model(x).requires_grad
+    model.eval()
+    assert not model(x).requires_grad
+    torch.testing.assert_close(out.detach(), net()(x), rtol=1e-6, atol=1e-6)
+
+
+def test_grad_scaler_scale_backward_names_forward_backward():
+    model = RoundPipe(net(), device="cpu")
+    x, y = batch()
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    with pytest.raises(RuntimeError, match="forward_backward"):
+        roundpipe.GradScaler().scale(loss)
+    with pytest.raises(RuntimeError, match="model.step"):
+        roundpipe.GradScaler().step(None)
+    torch_scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(RuntimeError, match="forward_backward"):
+        torch_scaler.scale(loss).backward()
+
+
+def test_a_failed_habit_leaves_training_intact():
+    """After each refused habit the normal loop still trains exactly as plain PyTorch."""
+    model = RoundPipe(net(), optim_dtype=torch.float32, device="cpu", num_microbatch=2)
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = batch()
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    with pytest.raises(RuntimeError):
+        loss.backward()
+    with pytest.raises(RuntimeError):
+        opt.step()
+    model.step(opt)
+    assert_weights(model, reference_sgd_step(net(), x, y))
