@@ -147,9 +147,6 @@ def cached_forward(model, input_ids=None, attention_mask=None, position_ids=None
             cache.retired = []
     outs = [run.acts[-1][m].get(None)[0] for m in range(len(microbatches))]
     logits = torch.cat([o for o, final in zip(outs, last) if final], dim=0)
-    if cache is not None and cache.generating:
-        model._stats.add("generate_steps", 1)
-        model._stats.add("generated_tokens", batch)
     return _output(model, logits, labels, cache)
 
 
@@ -176,10 +173,42 @@ def _forward_for(model):
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         if "past_key_values" in kwargs:
             cache = kwargs.pop("past_key_values")
-        return cached_forward(model, input_ids, attention_mask, position_ids, cache,
-                              inputs_embeds, labels, use_cache, logits_to_keep, **kwargs)
+        out = cached_forward(model, input_ids, attention_mask, position_ids, cache,
+                             inputs_embeds, labels, use_cache, logits_to_keep, **kwargs)
+        model._stats.add("generate_steps", 1)  # one new token for every row
+        model._stats.add("generated_tokens", out.logits.shape[0])
+        return out
 
     return forward
+
+
+def _check_device_kv_fits(model, rows: int, positions: int) -> None:
+    """``kv_cache="device"`` on CUDA: the keys and values of ``rows`` rows and ``positions``
+    positions of each device's decoder layers must fit in its free memory next to two stages
+    of weights (an estimate from the config, checked before anything runs).
+
+    Raises:
+        ValueError: they do not fit on some device (the message gives both sizes).
+    """
+    if model.devices[0].type != "cuda":
+        return
+    config = model.hf_model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = next(p for p in model.module.parameters() if p.is_floating_point()).element_size()
+    per_layer = 2 * rows * heads * dim * positions * itemsize
+    need: dict = {}
+    for stage in model._stages:
+        decoders = sum(1 for li in stage.layers if 0 < li < len(model._layers) - 1)
+        need[stage.device] = need.get(stage.device, 0) + decoders * per_layer
+    weights = 2 * max(model._stage_bytes)
+    for device, size in need.items():
+        free = torch.cuda.mem_get_info(device)[0]
+        if size + weights > free:
+            raise ValueError(f"RoundPipe.generate: kv_cache='device' needs about {size / 2**30:.2f} "
+                             f"GiB of keys and values on {device} ({rows} rows x {positions} "
+                             f"positions) besides {weights / 2**30:.2f} GiB of weights, but "
+                             f"{free / 2**30:.2f} GiB are free; use kv_cache='host'")
 
 
 def _setting(name: str, kwargs: dict, generation_config, default_config) -> Any:
@@ -236,22 +265,25 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
         generation_config.prefill_chunk_size = None
     if "prefill_chunk_size" in kwargs or default.prefill_chunk_size is not None:
         kwargs["prefill_chunk_size"] = None
+    prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    new_tokens = _setting("max_new_tokens", kwargs, generation_config, default)
+    hint = _setting("max_length", kwargs, generation_config, default) or 0
+    if new_tokens is not None and isinstance(prompt, torch.Tensor) and prompt.dim() >= 2:
+        hint = prompt.shape[1] + new_tokens
+    if given is None and use_cache is not False and kv_cache == "device" \
+            and isinstance(prompt, torch.Tensor):
+        rows = prompt.shape[0] * (_setting("num_return_sequences", kwargs, generation_config,
+                                           default) or 1)
+        _check_device_kv_fits(model, rows, hint)
     with model._call("generate"):
         model._steps.synchronize()
         cache = given
         if cache is None and use_cache is not False:
-            prompt = inputs if inputs is not None else kwargs.get("input_ids",
-                                                                  kwargs.get("inputs_embeds"))
-            new_tokens = _setting("max_new_tokens", kwargs, generation_config, default)
-            hint = _setting("max_length", kwargs, generation_config, default) or 0
-            if new_tokens is not None and isinstance(prompt, torch.Tensor) and prompt.dim() >= 2:
-                hint = prompt.shape[1] + new_tokens
             cache = new_cache(model, kv_cache, num_microbatch or 1, chunk, hint)
         elif cache is not None:
             cache.prefill_chunk_size = chunk
         if cache is not None:
             kwargs["cache"] = cache
-            cache.generating = True
         modes = [(m, m.training) for m in model.module.modules()]
         previous = hf.__dict__.get("forward")
         hf.forward = _forward_for(model)
@@ -266,8 +298,6 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
                 hf.forward = previous
             for m, mode in modes:
                 m.training = mode
-            if cache is not None:
-                cache.generating = False
 
 
 __all__ = ["cached_forward", "generate", "new_cache"]

@@ -163,7 +163,6 @@ class PipelineCache(Cache):
         self.prefill_chunk_size = prefill_chunk_size
         self.capacity_hint = int(capacity_hint)
         self.rows: Optional[list[tuple[int, int]]] = None
-        self.generating = False  # set by generate: its passes count as generation steps
         self.retired: list = []  # buffers replaced in this pass (copies may still read them)
 
     @property
