@@ -91,11 +91,25 @@ def test_greedy_equals_transformers(kind):
     assert isinstance(got.cache, PipelineCache)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mistral_sliding"])
 def test_greedy_on_two_devices(kind):
+    """Two CPU device workers, stages alternating between them; with two microbatches the
+    devices work on different stages at once."""
     ref, w = both(kind, device=["cpu", "cpu"])
     batch = prompts()
-    assert_same_generation(w.generate(**batch, **GREEDY), ref.generate(**batch, **GREEDY))
+    want = ref.generate(**batch, **GREEDY)
+    assert_same_generation(w.generate(**batch, **GREEDY), want)
+    assert_same_generation(w.generate(**batch, **GREEDY, num_microbatch=2), want)
+
+
+def test_without_a_cache_equals_transformers_without_one():
+    ref, w = both("qwen3")
+    batch = prompts()
+    kw = dict(GREEDY, max_new_tokens=4, use_cache=False)
+    w.pipeline_stats(reset=True)
+    assert_same_generation(w.generate(**batch, **kw), ref.generate(**batch, **kw))
+    stats = w.pipeline_stats()
+    assert stats["generate_steps"] == 4 and stats["kv_floor_bytes"] == 0
 
 
 def test_sampling_with_a_seed_equals_transformers():
