@@ -339,3 +339,17 @@ def test_generate_from_inside_a_call_raises():
 
     with pytest.raises(RuntimeError, match="inside this model"):
         w.forward_backward(input_kwargs={"input_ids": ids}, loss_fn=loss_fn)
+
+
+def test_moe_generation_keeps_no_routing_and_sums_none():
+    """Generation passes (with or without a cache) neither keep routing for a recomputation
+    nor add to the router statistics of the auxiliary loss."""
+    _, w = both("qwen3_moe")
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    w.forward_backward(input_kwargs={"input_ids": ids, "labels": ids})
+    stats = w._routing.stats
+    before = (stats.counts.clone(), stats.probs.clone(), stats.rows.clone())
+    for use_cache in (True, False):
+        w.generate(**prompts(), max_new_tokens=3, do_sample=False, use_cache=use_cache)
+    assert w._routing.stats is stats
+    assert all(torch.equal(a, b) for a, b in zip(before, (stats.counts, stats.probs, stats.rows)))

@@ -124,7 +124,9 @@ class Decoder(nn.Module):
                             state["position_ids"])
         dtype = state["rope_dtype"]
         rope = (state["cos"].view(dtype), state["sin"].view(dtype))
-        if self.routing is None or cache is not None:  # generation: no routing kept or summed
+        # generation passes (a cache, or logits_to_keep as generate passes it) keep no routing
+        # for a recomputation and sum none for the auxiliary loss
+        if self.routing is None or cache is not None or "logits_to_keep" in state:
             out = self._call(hidden, mask, state["position_ids"], rope, cache)
         else:
             with moe.routing_scope(self.routing.stats, state["attention_mask"], self.routing.coef):
