@@ -228,7 +228,10 @@ def test_forward_with_a_cache_equals_transformers_and_continues():
     mask = torch.cat([batch["attention_mask"], torch.ones(3, 1, dtype=torch.long)], dim=1)
     want2 = ref(input_ids=nxt, attention_mask=mask, position_ids=pos[:, -1:] + 1,
                 cache=hf_cache, use_cache=True)
-    got2 = w(input_ids=nxt, attention_mask=mask, position_ids=pos[:, -1:] + 1, cache=got.cache)
+    with pytest.raises(ValueError, match="cache_position"):
+        w(input_ids=nxt, cache=got.cache, cache_position=torch.tensor([3]))
+    got2 = w(input_ids=nxt, attention_mask=mask, position_ids=pos[:, -1:] + 1, cache=got.cache,
+             cache_position=torch.tensor([9]))
     torch.testing.assert_close(got2.logits, want2.logits, rtol=0, atol=0)
     for i, layer in enumerate(hf_cache.layers):  # HF keeps the window (last 3), we keep all
         keys, values = got2.cache.key_value(i)

@@ -80,10 +80,13 @@ def cached_forward(model, input_ids=None, attention_mask=None, position_ids=None
             (``output_attentions=True``, ``output_hidden_states=True``, anything the model's
             forward would not take).
         ValueError: not exactly one of ``input_ids`` and ``inputs_embeds``; a cache made for
-            another batch size; ``labels`` with a cache or with ``logits_to_keep``.
+            another batch size; ``labels`` with a cache or with ``logits_to_keep``; a
+            ``cache_position`` (accepted as older transformers pass it) other than the
+            positions right after the cached ones.
     """
     for key in ("return_dict", "output_router_logits"):
         kwargs.pop(key, None)
+    cache_position = kwargs.pop("cache_position", None)
     for key in ("output_attentions", "output_hidden_states"):
         if kwargs.pop(key, None):
             raise TypeError(f"RoundPipe.forward: {key}=True is not supported (the pipeline "
@@ -104,6 +107,11 @@ def cached_forward(model, input_ids=None, attention_mask=None, position_ids=None
                          "a cache")
     x = input_ids if input_ids is not None else inputs_embeds
     batch, seq = x.shape[:2]
+    if cache_position is not None:  # transformers < 5: where the new positions go; implied here
+        past = cache.get_seq_length() if cache is not None else 0
+        if not torch.equal(torch.as_tensor(cache_position).cpu(), torch.arange(past, past + seq)):
+            raise ValueError(f"RoundPipe.forward: cache_position must be the {seq} positions "
+                             f"after the {past} cached ones (new positions are appended)")
     key = "input_ids" if input_ids is not None else "inputs_embeds"
     microbatches = []
     if cache is None:

@@ -255,7 +255,8 @@ class LayerView:
             past = part.buf[start:length]
             if not self.cache.on_device:
                 past = io.kv_to_device(past, part.pending)
-            past = past.permute(1, 2, 3, 0, 4).contiguous()      # (2, rows, heads, t, dim)
+            past = past.permute(1, 2, 3, 0, 4)  # (2, rows, heads, t, dim), a view
+            # cat makes the contiguous (rows, heads, t + n, dim) transformers' cat makes
             keys = torch.cat([past[0], key_states], dim=-2)
             values = torch.cat([past[1], value_states], dim=-2)
         else:  # as transformers: a fresh contiguous copy of the new ones
