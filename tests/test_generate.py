@@ -30,7 +30,8 @@ def make_model(kind: str, seed: int = 0):
     elif kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON))
     elif kind in ("qwen3", "qwen3_tied"):
-        cfg = transformers.Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=kind == "qwen3_tied")
+        cfg = transformers.Qwen3Config(**COMMON, head_dim=8,
+                                       tie_word_embeddings=kind == "qwen3_tied")
         model = transformers.Qwen3ForCausalLM(cfg)
     elif kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(**COMMON, head_dim=8, moe_intermediate_size=16,
@@ -38,7 +39,8 @@ def make_model(kind: str, seed: int = 0):
                                           output_router_logits=True, router_aux_loss_coef=0.3)
         model = transformers.Qwen3MoeForCausalLM(cfg)
     elif kind == "mistral_sliding":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=4))
+        cfg = transformers.MistralConfig(**COMMON, sliding_window=4)
+        model = transformers.MistralForCausalLM(cfg)
     else:
         raise ValueError(kind)
     model = model.float().eval()

@@ -213,8 +213,8 @@ def _check_device_kv_fits(model, rows: int, positions: int) -> None:
     for device, size in need.items():
         free = torch.cuda.mem_get_info(device)[0]
         if size + weights > free:
-            raise ValueError(f"RoundPipe.generate: kv_cache='device' needs about {size / 2**30:.2f} "
-                             f"GiB of keys and values on {device} ({rows} rows x {positions} "
+            raise ValueError("RoundPipe.generate: kv_cache='device' needs about "
+                             f"{size / 2**30:.2f} GiB of keys and values on {device} ({rows} rows x {positions} "
                              f"positions) besides {weights / 2**30:.2f} GiB of weights, but "
                              f"{free / 2**30:.2f} GiB are free; use kv_cache='host'")
 
@@ -256,7 +256,8 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
                          "supported (the pipeline has its own KV cache, see kv_cache=)")
     chunk = _setting("prefill_chunk_size", kwargs, generation_config, default)
     if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
-        raise ValueError(f"RoundPipe.generate: prefill_chunk_size must be an int >= 1, got {chunk!r}")
+        raise ValueError("RoundPipe.generate: prefill_chunk_size must be an int >= 1, got "
+                         f"{chunk!r}")
     use_cache = _setting("use_cache", kwargs, generation_config, default)
     given = kwargs.pop("cache", None)
     if "past_key_values" in kwargs:

@@ -5,4 +5,5 @@ imported only when a CUDA device is used)."""
 from .base import DeviceIO, GradDownload, StageWeights, TensorRef, current_io, io_scope
 from .cpu import CpuIO
 
-__all__ = ["CpuIO", "DeviceIO", "GradDownload", "StageWeights", "TensorRef", "current_io", "io_scope"]
+__all__ = ["CpuIO", "DeviceIO", "GradDownload", "StageWeights", "TensorRef", "current_io",
+           "io_scope"]

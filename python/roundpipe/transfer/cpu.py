@@ -1,7 +1,8 @@
 """The CPU as compute device: every copy is synchronous and events are ``None``.
 
-Parameters (and the KV cache entries of generation) are used where they are (a new tensor object sharing the host model copy's memory,
-so it can require grad on its own): no second copy of a stage's weights exists on the host.
+Parameters are used where they are (a new tensor object sharing the host model copy's memory,
+so it can require grad on its own): no second copy of a stage's weights exists on the host;
+so are the KV cache entries of generation (only read by the layer).
 That is safe because nothing writes a layer's model copy while a pass may read it (the
 optimizer side's layer gates). Buffers and stage inputs are copied (a layer may update them
 in place, and a recomputation must not update them twice). Downloads hand the computed tensor
