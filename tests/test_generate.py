@@ -114,8 +114,9 @@ def test_without_a_cache_equals_transformers_without_one():
     assert stats["generate_steps"] == 4 and stats["kv_floor_bytes"] == 0
 
 
-def test_sampling_with_a_seed_equals_transformers():
-    ref, w = both("qwen3")
+@pytest.mark.parametrize("device", ["cpu", ["cpu", "cpu"]], ids=["one", "two"])
+def test_sampling_with_a_seed_equals_transformers(device):
+    ref, w = both("qwen3", device=device)
     batch = prompts()
     kw = dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=30, top_p=0.9,
               num_return_sequences=2)
@@ -255,6 +256,19 @@ def test_errors_name_the_argument_and_change_nothing():
     with pytest.raises(TypeError, match="PipelineCache"):
         w(**batch, cache=transformers.DynamicCache())
     assert "forward" not in w.hf_model.__dict__ and w.module.training is False
+
+
+def test_generate_after_an_asynchronous_step_uses_the_current_weights():
+    model = make_model("llama")
+    w = wrap(model)
+    opt = roundpipe.optim.SGD(w.optim_parameters(), lr=0.5)
+    _train(w, opt, 1)  # an asynchronous step, still pending or not: generate waits for it
+    got = w.generate(**prompts(), **GREEDY)
+    ref = make_model("llama")
+    ref.load_state_dict(w.state_dict())  # the weights after the step
+    assert_same_generation(got, ref.generate(**prompts(), **GREEDY))
+    before = make_model("llama")  # the step changed the tokens: the test can fail
+    assert not torch.equal(got.sequences, before.generate(**prompts(), **GREEDY).sequences)
 
 
 def _train(w, opt, seed: int, is_async: bool = True):
