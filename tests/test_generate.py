@@ -372,3 +372,20 @@ def test_moe_generation_keeps_no_routing_and_sums_none():
         w.generate(**prompts(), max_new_tokens=3, do_sample=False, use_cache=use_cache)
     assert w._routing.stats is stats
     assert all(torch.equal(a, b) for a, b in zip(before, (stats.counts, stats.probs, stats.rows)))
+
+
+def test_generation_continues_from_a_returned_cache():
+    """A second generate from the returned cache (the first call's sequences plus new tokens,
+    as a chat's next turn) equals transformers continuing from its own cache."""
+    ref, w = both("llama")
+    batch = prompts()
+    kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    want, got = ref.generate(**batch, **kw), w.generate(**batch, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    more = torch.randint(1, VOCAB, (3, 3), generator=torch.Generator().manual_seed(7))
+    ids = torch.cat([want.sequences, more], dim=1)
+    mask = torch.cat([batch["attention_mask"], torch.ones(3, 4 + 3, dtype=torch.long)], dim=1)
+    want2 = ref.generate(input_ids=ids, attention_mask=mask, cache=want.cache, **kw)
+    got2 = w.generate(input_ids=ids, attention_mask=mask, cache=got.cache, **kw)
+    assert torch.equal(got2.sequences, want2.sequences)
+    assert got2.cache is got.cache and got.cache.get_seq_length() == ids.shape[1] + 3
