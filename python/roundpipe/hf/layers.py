@@ -110,8 +110,10 @@ class Decoder(nn.Module):
         self.mask_fn = mask_fn
         self.routing = routing
         self.index = index
-        self.sliding_window = (getattr(config, "sliding_window", None)
-                               if mask_fn is mu.create_sliding_window_causal_mask else None)
+        base = getattr(mask_fn, "func", mask_fn)  # a functools.partial of HF's function
+        sliding = (base is mu.create_sliding_window_causal_mask
+                   or getattr(base, "__name__", "") == "create_sliding_window_causal_mask")
+        self.sliding_window = getattr(config, "sliding_window", None) if sliding else None
         params = inspect.signature(layer.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
