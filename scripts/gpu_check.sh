@@ -4,9 +4,12 @@
 # pytest): builds RoundPipe with those packages, runs tests/test_gpu.py, then the pipeline
 # benchmark on a ~1.4B-parameter bf16 model against plain PyTorch on the same GPU (tokens/s,
 # waits, upload GB/s against a pinned copy's peak, reserved memory, bytes moved over their
-# floor), and prints one table. Budget: under 8 minutes on one H200.
+# floor), then the generation benchmark (tokens/s against plain transformers generate on the
+# same GPU, batch 1 and 64, weight bytes per generated token), and prints the tables.
+# Budget: under 10 minutes on one H200.
 #   bash scripts/gpu_check.sh              # PYTHON=... to use another interpreter
-# Results also go to $OUT (or /tmp/gpu_check): test_gpu.txt, pipeline.json, table.txt.
+# Results also go to $OUT (or /tmp/gpu_check): test_gpu.txt, pipeline.json, generate.json,
+# table.txt.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
@@ -40,4 +43,11 @@ start=$SECONDS
   --hidden 2560 --heads 20 --vocab 32000 --seq 1024 --batch 8 --iters 2 --repeats 5 \
   --json "$out/pipeline.json") | tee "$out/table.txt"
 echo "benchmark in $((SECONDS - start)) s"
+
+echo "== generation benchmark: bf16 Llama, 16 layers x 2048, prompt 128, 32 new tokens, batch 1 and 64"
+start=$SECONDS
+(cd /tmp && $PY -m roundpipe.bench generate --device cuda:0 --dtype bfloat16 --layers 16 \
+  --hidden 2048 --heads 16 --kv-heads 8 --vocab 32000 --prompt 128 --new-tokens 32 \
+  --batch 1 64 --repeats 5 --json "$out/generate.json") | tee -a "$out/table.txt"
+echo "generation benchmark in $((SECONDS - start)) s"
 exit "$tests_rc"

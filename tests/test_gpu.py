@@ -10,7 +10,9 @@
   in the model (changed buffers go back without blocking the compute stream);
 - bytes moved equal their floors on CUDA as on the CPU device; pinned memory of exact size;
   the pinned-memory modes and their fallback;
-- upload bandwidth measured.
+- upload bandwidth measured;
+- generation through the pipeline (KV cache pinned on the host or on the GPU, prefill chunks
+  over two microbatches) gives transformers' tokens on the GPU, bytes at their floors.
 
     pytest tests/test_gpu.py        # on a machine with CUDA
 """
@@ -231,3 +233,60 @@ def test_upload_bandwidth_is_measured():
     model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).mean())
     stats = model.pipeline_stats()
     assert stats["h2d_weight_bytes"] == stats["weight_floor_bytes"] > 0 and stats["upload_s"] > 0
+
+
+# --- generation through the pipeline (roundpipe.hf.generate) ------------------------------------
+
+
+def _hf_pair(kind: str):
+    """A tiny fp32 transformers model (random weights) and a deep copy of it on cuda:0."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  pad_token_id=0)
+    torch.manual_seed(0)
+    if kind == "mistral_sliding":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common,
+                                                                           sliding_window=4))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    model = model.float().eval()
+    model.generation_config.pad_token_id = 0
+    return model, copy.deepcopy(model).to("cuda:0")
+
+
+def _prompts():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 101, (3, 9), generator=gen)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, :6] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral_sliding"])
+@pytest.mark.parametrize("kv_cache", ["host", "device"])
+def test_cuda_generation_equals_transformers_on_the_gpu(kind, kv_cache):
+    """Greedy generation through the pipeline on CUDA (KV cache pinned on the host, or on the
+    GPU) gives the tokens of transformers' generate on the GPU; prefill in chunks over two
+    microbatches (chunk c's upload waits for chunk c-1's download); bytes at their floors."""
+    import roundpipe
+
+    model, ref = _hf_pair(kind)
+    w = roundpipe.wrap_model_to_roundpipe(model, torch.float32, device="cuda:0")
+    batch = _prompts()
+    kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+              output_logits=True, prefill_chunk_size=4)
+    want = ref.generate(**{k: v.cuda() for k, v in batch.items()}, **kw)
+    w.pipeline_stats(reset=True)
+    got = w.generate(**batch, **kw, kv_cache=kv_cache, num_microbatch=2)
+    assert torch.equal(got.sequences, want.sequences.cpu())
+    for g, x in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, x.cpu(), rtol=1e-4, atol=1e-4)
+    stats = w.pipeline_stats()
+    assert stats["h2d_weight_bytes"] == stats["weight_floor_bytes"]
+    assert stats["h2d_kv_bytes"] + stats["d2h_kv_bytes"] == stats["kv_floor_bytes"]
+    assert (stats["kv_floor_bytes"] > 0) == (kv_cache == "host")
+    assert stats["generated_tokens"] == 3 * 8

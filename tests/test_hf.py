@@ -317,8 +317,8 @@ def test_hf_attributes_checkpointing_and_input_errors():
         w.forward_backward(input_kwargs={"input_ids": batch["input_ids"]})
     with pytest.raises(TypeError, match="output_attentions"):
         w(input_ids=batch["input_ids"], output_attentions=True)
-    with pytest.raises(TypeError, match="use_cache"):
-        w(input_ids=batch["input_ids"], use_cache=True)
+    with pytest.raises(TypeError, match="PipelineCache"):  # a KV cache: tests/test_generate.py
+        w(input_ids=batch["input_ids"], cache=transformers.DynamicCache())
     with pytest.raises(ValueError, match="loss_chunk_size"):
         roundpipe.wrap_model_to_roundpipe(model, device="cpu", loss_chunk_size=0)
     # a custom loss_fn receives the logits of each microbatch

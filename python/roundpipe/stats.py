@@ -19,6 +19,17 @@ Keys (all floats, accumulated since construction or the last reset):
 - ``param_grad_floor_bytes``: parameter gradients down, once per backward visit:
   ``P_stage * min(M * itemsize, 4)`` per stage (the model-dtype gradient for one microbatch,
   else the fp32 sum over ``M`` microbatches);
+- ``h2d_kv_bytes`` / ``d2h_kv_bytes`` (kind ``kv``): the KV cache of generation with
+  ``kv_cache="host"`` (see :mod:`roundpipe.hf.kv_cache`): each layer's cached keys and values
+  up to the device once per pass (a sliding-window layer: only its window), the new ones down
+  once;
+- ``kv_floor_bytes``: what those must move, from the cache's lengths: per layer and pass, the
+  keys and values the layer attends to that were cached before the pass, plus the new ones;
+- ``generate_steps``: forward passes run by ``generate`` (each gives every row its next token:
+  weights are streamed once per step, so ``weight_floor_bytes`` grows by the model's weight
+  bytes per step); ``generated_tokens``: the rows of those passes summed (tokens generated,
+  finished rows included, as transformers computes them). Weight bytes per generated token:
+  ``h2d_weight_bytes / generated_tokens``;
 - ``exact_deferred_calls``: exact-mode calls whose step waited for the end of the backward
   (a loss scaler or clipping needs every gradient's verdict first);
 - ``pinned_bytes``: page-locked host memory held now (CUDA; not reset).
@@ -28,12 +39,12 @@ from __future__ import annotations
 
 import threading
 
-KINDS = ("weight", "activation", "input_grad", "param_grad", "buffer", "label", "output")
+KINDS = ("weight", "activation", "input_grad", "param_grad", "buffer", "label", "output", "kv")
 TIME_KEYS = ("wall_s", "device_s", "weights_wait_s", "optimizer_wait_s", "optimizer_s", "upload_s",
              "comm_s")
 BYTE_KEYS = (tuple(f"h2d_{k}_bytes" for k in KINDS) + tuple(f"d2h_{k}_bytes" for k in KINDS)
-             + ("weight_floor_bytes", "param_grad_floor_bytes"))
-COUNT_KEYS = ("exact_deferred_calls",)
+             + ("weight_floor_bytes", "param_grad_floor_bytes", "kv_floor_bytes"))
+COUNT_KEYS = ("exact_deferred_calls", "generate_steps", "generated_tokens")
 GAUGES = ("pinned_bytes",)
 KEYS = TIME_KEYS + BYTE_KEYS + COUNT_KEYS + GAUGES
 

@@ -6,7 +6,10 @@ cost of one training call on a tiny model (:mod:`roundpipe.bench.overhead`);
 ``python -m roundpipe.bench distributed [options]``: data parallel ranks, communication and
 how much of it is hidden (:mod:`roundpipe.bench.distributed`);
 ``python -m roundpipe.bench memory [options]``: host bytes per parameter, step speed and
-convergence of each compact-storage option (:mod:`roundpipe.bench.memory`)."""
+convergence of each compact-storage option (:mod:`roundpipe.bench.memory`);
+``python -m roundpipe.bench generate [options]``: generation through the pipeline against
+plain transformers generate, tokens/s and bytes per generated token
+(:mod:`roundpipe.bench.generate`)."""
 
 import sys
 
@@ -25,6 +28,10 @@ if __name__ == "__main__":
         from .distributed import main as distributed_main
 
         distributed_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "generate":
+        from .generate import main as generate_main
+
+        generate_main(sys.argv[2:])
     elif len(sys.argv) > 1 and sys.argv[1] == "memory":
         from .memory import main as memory_main
 

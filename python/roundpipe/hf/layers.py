@@ -16,6 +16,11 @@ labels         ``(B, S)`` int64, shifted, or None  read by the postfix (the loss
 cos, sin       ``(1 or B, S, head_dim)`` bit       rotary embedding, computed once per
                pattern as an integer tensor        microbatch by the prefix
 rope_dtype     a ``torch.dtype``                   the floating dtype of cos/sin
+kv             a ``MicrobatchKV`` (generation)     the microbatch's part of the KV cache
+               (absent without a cache)            (see :mod:`.kv_cache`): each decoder layer
+                                                   reads and extends its own
+logits_to_keep int, 1D tensor or None (absent: 0)  as transformers' ``logits_to_keep``; None:
+                                                   no logits (a prefill chunk before the last)
 ============== =================================== ==========================================
 
 Bytes per layer and microbatch, host <-> device, besides the hidden state ``2·B·S·H`` (bf16):
@@ -66,7 +71,8 @@ class Prefix(nn.Module):
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 inputs_embeds: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> dict:
+                labels: Optional[torch.Tensor] = None, kv: Any = None,
+                logits_to_keep: Any = 0) -> dict:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("RoundPipe (Hugging Face model): give exactly one of input_ids "
                              "and inputs_embeds")
@@ -74,40 +80,65 @@ class Prefix(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        return {"hidden": hidden, "position_ids": position_ids, "attention_mask": attention_mask,
-                "labels": None if labels is None else shift_labels(labels),
-                "cos": _as_bits(cos), "sin": _as_bits(sin), "rope_dtype": cos.dtype}
+        state = {"hidden": hidden, "position_ids": position_ids, "attention_mask": attention_mask,
+                 "labels": None if labels is None else shift_labels(labels),
+                 "cos": _as_bits(cos), "sin": _as_bits(sin), "rope_dtype": cos.dtype}
+        if kv is not None:
+            state["kv"] = kv
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            state["logits_to_keep"] = logits_to_keep
+        return state
 
 
 class Decoder(nn.Module):
-    """One HF decoder layer, called as the HF model calls it (``use_cache=False``), with its 4D
-    mask built by ``mask_fn`` (HF's mask function for the layer's attention type)."""
+    """One HF decoder layer, called as the HF model calls it, with its 4D mask built by
+    ``mask_fn`` (HF's mask function for the layer's attention type): ``use_cache=False``, or,
+    when the state carries a KV cache (generation), with its layer's view of it as ``cache``.
+    ``index``: the layer's position among the decoder layers (its KV cache layer);
+    ``sliding_window``: its window (None for full attention), read from the config when
+    ``mask_fn`` is HF's sliding-window mask function."""
 
     def __init__(self, layer: nn.Module, config: Any, mask_fn: Callable,
-                 routing: Optional["RoutingState"] = None) -> None:
+                 routing: Optional["RoutingState"] = None, index: int = 0) -> None:
         super().__init__()
+        import inspect
+
+        from transformers import masking_utils as mu
+
         self.layer = layer
         self.config = config
         self.mask_fn = mask_fn
         self.routing = routing
+        self.index = index
+        base = getattr(mask_fn, "func", mask_fn)  # a functools.partial of HF's function
+        sliding = (base is mu.create_sliding_window_causal_mask
+                   or getattr(base, "__name__", "") == "create_sliding_window_causal_mask")
+        self.sliding_window = getattr(config, "sliding_window", None) if sliding else None
+        params = inspect.signature(layer.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def forward(self, state: dict) -> dict:
         hidden = state["hidden"]
+        kv = state.get("kv")
+        cache = None if kv is None else kv.view(self.index)
         # positional: the 4th parameter is the cache (named past_key_values before 5.x renames)
-        mask = self.mask_fn(self.config, hidden, state["attention_mask"], None,
+        mask = self.mask_fn(self.config, hidden, state["attention_mask"], cache,
                             state["position_ids"])
         dtype = state["rope_dtype"]
         rope = (state["cos"].view(dtype), state["sin"].view(dtype))
-        if self.routing is None:
-            out = self._call(hidden, mask, state["position_ids"], rope)
+        # generation passes (a cache, or logits_to_keep as generate passes it) keep no routing
+        # for a recomputation and sum none for the auxiliary loss
+        if self.routing is None or cache is not None or "logits_to_keep" in state:
+            out = self._call(hidden, mask, state["position_ids"], rope, cache)
         else:
             with moe.routing_scope(self.routing.stats, state["attention_mask"], self.routing.coef):
-                out = self._call(hidden, mask, state["position_ids"], rope)
+                out = self._call(hidden, mask, state["position_ids"], rope, None)
         return {**state, "hidden": out}
 
-    def _call(self, hidden, mask, position_ids, rope) -> torch.Tensor:
+    def _call(self, hidden, mask, position_ids, rope, cache) -> torch.Tensor:
+        extra = {} if cache is None else {self._cache_arg: cache}
         out = self.layer(hidden, attention_mask=mask, position_ids=position_ids,
-                         position_embeddings=rope, use_cache=False)
+                         position_embeddings=rope, use_cache=cache is not None, **extra)
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -122,9 +153,16 @@ class Postfix(nn.Module):
         self.lm_head = lm_head
         self.chunk_size = chunk_size
 
-    def forward(self, state: dict) -> torch.Tensor:
+    def forward(self, state: dict) -> Optional[torch.Tensor]:
         hidden = self.norm(state["hidden"])
         if state["labels"] is None:
+            keep = state.get("logits_to_keep", 0)
+            if keep is None:  # a prefill chunk whose logits nobody reads
+                return None
+            if not (isinstance(keep, int) and keep == 0):
+                from transformers.modeling_utils import slice_logits_to_keep
+
+                hidden = slice_logits_to_keep(hidden, keep)
             return self.lm_head(hidden)
         return chunked_cross_entropy_sum(hidden, self.lm_head.weight, self.lm_head.bias,
                                          state["labels"], self.chunk_size)

@@ -43,7 +43,7 @@ class HFRoundPipe(RoundPipe):
         routing, routers = _find_moe(hf, parts)
         moe_layers = sorted(routers)
         layers = [Prefix(parts.embed_tokens, parts.rotary_emb)]
-        layers += [Decoder(layer, parts.config, fn, routing if i in moe_layers else None)
+        layers += [Decoder(layer, parts.config, fn, routing if i in moe_layers else None, i)
                    for i, (layer, fn) in enumerate(zip(parts.layers, parts.mask_fns))]
         layers.append(Postfix(parts.norm, parts.lm_head, loss_chunk_size))
         if routing is not None and routing.coef is not None:
@@ -90,18 +90,34 @@ class HFRoundPipe(RoundPipe):
         ``config.output_router_logits``, plus ``router_aux_loss_coef * aux_loss``).
 
         Accepted keyword arguments: ``position_ids``, ``inputs_embeds``, ``labels``,
-        ``num_items_in_batch``, ``use_cache`` (only False/None: there is no cache),
-        ``return_dict`` (ignored: an output object is always returned), ``num_microbatch``.
+        ``num_items_in_batch``, ``use_cache``, ``cache`` (or ``past_key_values``),
+        ``logits_to_keep``, ``return_dict`` (ignored: an output object is always returned),
+        ``num_microbatch``.
+
+        **With a KV cache** (``use_cache=True``, or ``cache=`` a
+        :class:`~roundpipe.hf.PipelineCache` from an earlier call or ``generate``): the pass
+        of :func:`roundpipe.hf.generate.cached_forward`, as the model's forward with a cache:
+        the new positions' keys and values are appended layer by layer (on the host), the
+        output carries the cache (``out.cache``) to pass back, and ``logits_to_keep`` keeps
+        the last positions' logits only (no MoE auxiliary loss). Microbatches: those of the
+        cache (``num_microbatch`` when a new one is made, default 1).
 
         Raises:
-            TypeError: another keyword argument (e.g. ``past_key_values``,
-                ``output_attentions``), or ``use_cache=True``.
+            TypeError: another keyword argument (e.g. ``output_attentions``), or a cache that
+                is not a ``PipelineCache``.
         """
+        if "past_key_values" in kwargs:
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        if use_cache or kwargs.get("cache") is not None or "logits_to_keep" in kwargs:
+            from .generate import cached_forward
+
+            with self._call("forward"):
+                return cached_forward(self, input_ids, attention_mask, labels=labels,
+                                      use_cache=use_cache, num_microbatch=num_microbatch,
+                                      **kwargs)
+        kwargs.pop("cache", None)
         num_items = kwargs.pop("num_items_in_batch", None)
         inputs = _inputs(input_ids, attention_mask, kwargs, "forward")
-        if use_cache:
-            raise TypeError("RoundPipe.forward: use_cache=True is not supported (no KV cache); "
-                            "generate with the unwrapped model or a reloaded checkpoint")
         stats = self._begin_routing()
         logits = super().forward(num_microbatch=num_microbatch, **inputs)
         from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
@@ -189,6 +205,52 @@ class HFRoundPipe(RoundPipe):
         if stats is not None:
             loss = loss + self._routing.coef * stats.aux_loss()
         return loss
+
+    # --- generation --------------------------------------------------------------------------
+
+    def generate(self, inputs: Optional[torch.Tensor] = None, generation_config: Any = None, *,
+                 kv_cache: str = "host", num_microbatch: Optional[int] = None, **kwargs: Any):
+        """Generates as the wrapped model's own transformers ``generate`` does, through the
+        pipeline (see :mod:`roundpipe.hf.generate`): the same arguments (``inputs`` /
+        ``input_ids``, ``attention_mask`` for left-padded batches, ``generation_config``,
+        ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``eos_token_id``, ``num_return_sequences``, ``streamer``, ``return_dict_in_generate``,
+        ``output_logits``, ``prefill_chunk_size``, ...) and the same result (token ids
+        ``(batch * num_return_sequences, prompt + new)`` on the host, or transformers' output
+        object), token for token: greedy search gives transformers' tokens, sampling with the
+        same seed gives its samples. Each decoding step is one pass that streams every stage's
+        weights once for the whole batch; the prompt is prefilled in one pass, in chunks of
+        ``prefill_chunk_size`` positions when set.
+
+        It first waits for pending optimizer work (:meth:`synchronize`: it generates with the
+        current weights), holds the wrapper's call lock throughout (other threads' calls wait;
+        a call from a layer or step function of this model raises), runs every module in
+        eval mode without autograd and gives each its mode back after; gradients accumulated
+        since the last step, optimizer state and the RNG are left as they were (only sampling
+        draws random numbers, as in transformers).
+
+        Args (besides transformers'):
+            kv_cache: ``"host"`` (default): each decoder layer's keys and values in host
+                memory in the model dtype, uploaded to the layer's device once per step (its
+                sliding window only) and the new ones downloaded; ``"device"``: on the
+                device that runs the layer, nothing moved (they must fit there).
+            num_microbatch: microbatches of rows per pass (default 1: the whole batch at
+                once; more bound the activation memory and pipeline several devices).
+            cache / past_key_values: a :class:`~roundpipe.hf.PipelineCache` to continue from.
+
+        Raises:
+            ValueError: ``kv_cache`` not ``"host"``/``"device"``, a bad ``num_microbatch`` or
+                ``prefill_chunk_size``, beam search (``num_beams > 1``), assisted decoding,
+                ``custom_generate``, a ``cache_implementation`` other than dynamic, or
+                ``prefill_chunk_size`` with ``use_cache=False`` (all before anything runs);
+                what transformers' ``generate`` raises.
+            TypeError: ``cache`` is not a ``PipelineCache``.
+            RuntimeError: called from inside this model's own call.
+        """
+        from .generate import generate
+
+        return generate(self, inputs, generation_config, kv_cache=kv_cache,
+                        num_microbatch=num_microbatch, **kwargs)
 
     # --- checkpoints ------------------------------------------------------------------------
 

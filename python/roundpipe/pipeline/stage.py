@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..plan import Stage
-from ..transfer import DeviceIO, GradDownload, StageWeights
+from ..transfer import DeviceIO, GradDownload, StageWeights, io_scope
 from .execute import run_layers
 
 
@@ -143,7 +143,7 @@ class StageVisit:
         self.io.sum_grads_over(self.weights, len(self.spec.microbatches))
 
     def _run(self, x: Any, m: int, recomputing: bool) -> Any:
-        with self.spec.autocast.enter(self.stage.device.type):
+        with self.spec.autocast.enter(self.stage.device.type), io_scope(self.io):
             return run_layers(self.layers, self.stage.start, self.weights.layers, x, m,
                               self.spec.call_seed, self.stage.device, self.spec.store,
                               recomputing, self.locks)

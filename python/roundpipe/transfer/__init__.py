@@ -2,7 +2,8 @@
 type shares (:mod:`.base`), the CPU device (:mod:`.cpu`) and CUDA devices (:mod:`.cuda`,
 imported only when a CUDA device is used)."""
 
-from .base import DeviceIO, GradDownload, StageWeights, TensorRef
+from .base import DeviceIO, GradDownload, StageWeights, TensorRef, current_io, io_scope
 from .cpu import CpuIO
 
-__all__ = ["CpuIO", "DeviceIO", "GradDownload", "StageWeights", "TensorRef"]
+__all__ = ["CpuIO", "DeviceIO", "GradDownload", "StageWeights", "TensorRef", "current_io",
+           "io_scope"]

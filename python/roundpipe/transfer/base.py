@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -88,6 +89,27 @@ class GradDownload(NamedTuple):
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+_current = threading.local()
+
+
+def current_io() -> Optional["DeviceIO"]:
+    """The :class:`DeviceIO` of the stage visit the calling thread is running layers for
+    (None outside one): how code inside a layer (the KV cache of generation) reaches its
+    device's transfers."""
+    return getattr(_current, "io", None)
+
+
+@contextlib.contextmanager
+def io_scope(io: "DeviceIO"):
+    """Makes ``io`` what :func:`current_io` returns on this thread while the block runs."""
+    outer = getattr(_current, "io", None)
+    _current.io = io
+    try:
+        yield
+    finally:
+        _current.io = outer
 
 
 class DeviceIO:
@@ -292,6 +314,33 @@ class DeviceIO:
 
     def _write_back_buffers(self, changed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         raise NotImplementedError
+
+    # --- the KV cache of generation (see roundpipe.hf.kv_cache) --------------------------------
+
+    def kv_host_empty(self, shape: tuple, dtype: torch.dtype, keep: list) -> torch.Tensor:
+        """An uninitialised host tensor for KV cache entries that this device reads and writes
+        (CUDA: page-locked, exact size; objects that must live as long as it are appended to
+        ``keep``)."""
+        return torch.empty(shape, dtype=dtype)
+
+    def kv_to_device(self, host: torch.Tensor, after: Any) -> torch.Tensor:
+        """A device copy of host KV entries (counted as ``h2d_kv_bytes``); the copy first
+        waits for ``after``, the event of an earlier :meth:`kv_to_host` into that memory
+        (None: nothing pending)."""
+        return self.to_device(host, after, "kv")
+
+    def kv_to_host(self, dev: torch.Tensor, host: torch.Tensor) -> Any:
+        """Copies device KV entries into ``host`` (same shape and dtype; counted as
+        ``d2h_kv_bytes``) once the compute issued so far has produced them; returns the event
+        of the copy (None: already done). The end of the pass (:meth:`finish`) waits for it."""
+        self._begin_download()
+        self.stats.moved("d2h", "kv", nbytes(dev))
+        self._copy_into_host(dev, host)
+        return self._end_download()
+
+    def _copy_into_host(self, dev: torch.Tensor, host: torch.Tensor) -> None:
+        with torch.no_grad():
+            host.copy_(dev)
 
     def finish(self) -> None:
         """At the end of a pass: the host may read everything written back to it."""

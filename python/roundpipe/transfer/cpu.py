@@ -1,7 +1,8 @@
 """The CPU as compute device: every copy is synchronous and events are ``None``.
 
 Parameters are used where they are (a new tensor object sharing the host model copy's memory,
-so it can require grad on its own): no second copy of a stage's weights exists on the host.
+so it can require grad on its own): no second copy of a stage's weights exists on the host;
+so are the KV cache entries of generation (only read by the layer).
 That is safe because nothing writes a layer's model copy while a pass may read it (the
 optimizer side's layer gates). Buffers and stage inputs are copied (a layer may update them
 in place, and a recomputation must not update them twice). Downloads hand the computed tensor
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..host_buffers import HostBuffers
-from .base import DeviceIO, GradDownload
+from .base import DeviceIO, GradDownload, nbytes
 
 
 class CpuIO(DeviceIO):
@@ -50,6 +51,12 @@ class CpuIO(DeviceIO):
         self.stats.add("upload_s", seconds)
         self.stats.add("weights_wait_s", seconds)  # the compute waited for the whole copy
         return None
+
+    def kv_to_device(self, host: torch.Tensor, after) -> torch.Tensor:
+        """The host KV entries themselves (counted as if copied): the layer only reads them,
+        and nothing writes them during the pass."""
+        self.stats.moved("h2d", "kv", nbytes(host))
+        return host
 
     def _download_grads(self, sources, norms_sq) -> GradDownload:
         return GradDownload(sources, norms_sq, None, True, self._grad_permits.release)

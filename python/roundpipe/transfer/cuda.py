@@ -375,6 +375,22 @@ class CudaIO(DeviceIO):
 
         return GradDownload(items, norms_host, event, False, release)
 
+    def kv_host_empty(self, shape: tuple, dtype: torch.dtype, keep: list) -> torch.Tensor:
+        like = torch.empty(shape, dtype=dtype, device="meta")
+        try:
+            arena = PinnedArena(nbytes(like), self.device)
+        except RuntimeError:
+            return torch.empty(shape, dtype=dtype)  # pageable: slower copies, same results
+        keep.append(arena)
+        self.stats.add("pinned_bytes", arena.size)
+        weakref.finalize(arena, self.stats.add, "pinned_bytes", -arena.size)
+        return arena.view(0, like)
+
+    def _copy_into_host(self, dev: torch.Tensor, host: torch.Tensor) -> None:
+        with torch.no_grad():
+            host.copy_(dev, non_blocking=True)
+        dev.record_stream(self.down)
+
     def _write_back_buffers(self, changed) -> None:
         self._begin_download()
         for host, dev in changed:
