@@ -367,3 +367,20 @@ def test_a_failed_habit_leaves_training_intact():
         opt.step()
     model.step(opt)
     assert_weights(model, reference_sgd_step(net(), x, y))
+
+
+def test_accumulated_grads_reads_what_the_step_will_apply_without_consuming_it():
+    model = RoundPipe(net(), optim_dtype=torch.float32, device=["cpu", "cpu"], num_microbatch=3)
+    opt = rpo.SGD(model.optim_parameters(), lr=LR)
+    assert all(g is None for g in model.accumulated_grads().values())
+    x, y = batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    grads = model.accumulated_grads()
+    ref = net()
+    F.mse_loss(ref(x), y).backward()
+    assert list(grads) == [n for n, _ in ref.named_parameters()]
+    for (name, p) in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    grads["0.weight"].zero_()                 # a copy: the step is not affected
+    model.step(opt)
+    assert_weights(model, reference_sgd_step(net(), x, y))

@@ -566,7 +566,8 @@ class Steps:
             warnings.warn(
                 "RoundPipe.step: the step function changed none of the optimizer copies that "
                 "had a gradient, so this step trained nothing (its gradients are consumed). "
-                "Fine if it only read them; to train, it must step an optimizer built on "
+                "Fine if it only read them (model.accumulated_grads() reads them without "
+                "consuming them); to train, it must step an optimizer built on "
                 "model.optim_parameters() (or on model.parameters() inside "
                 "roundpipe.OptimizerCtx): model.step(opt), or model.step(lambda: (opt.step(), "
                 "opt.zero_grad())). Warned once per model", UserWarning, stacklevel=2)

@@ -693,6 +693,27 @@ class RoundPipe(nn.Module):
         nothing when called on the optimizer thread (inside an asynchronous step function)."""
         self._steps.synchronize()
 
+    def accumulated_grads(self) -> dict[str, Optional[torch.Tensor]]:
+        """The gradients accumulated since the last :meth:`step` (what the next step will
+        apply), for inspection and debugging: ``{name: tensor or None}`` under the model's
+        parameter names, one entry per trainable parameter (the first name of a tied one),
+        each a copy on the host in float32 (or the optimizer dtype when wider), shaped like
+        its optimizer copy; None for a parameter that got no gradient. Reading them changes
+        nothing (a step function that only reads ``.grad`` consumes them).
+
+        They are as accumulated: multiplied by the loss scale when the calls used a
+        :class:`roundpipe.GradScaler`; with a process group, this rank's own (replicated:
+        not yet reduced over the ranks; ``shard_optimizer=True``: this rank's rows, already
+        reduced). Exact overlapped mode steps each parameter's gradient as soon as it is
+        final, so none is left after such a call. Waits for pending gradient consumption
+        first and raises the background error if there was one (see :meth:`step`).
+        """
+        with self._call("accumulated_grads"):
+            self._steps.wait()
+            self._steps.raise_error()
+            return {n: None if g is None else g.clone()
+                    for n, g in zip(self._copies.names, self._copies.grads)}
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discards the gradients accumulated since the last :meth:`step` (waits for pending
         optimizer work first: that work owns the gradients it was given). Called inside an
