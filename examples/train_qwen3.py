@@ -97,12 +97,19 @@ def choose_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str
 
 # --- data ------------------------------------------------------------------------------------------
 
+# folders skipped when reading a folder: installed packages (Python's standard library folder holds
+# site-packages on some installations, whatever happens to be installed there), test suites (test
+# data: encodings, malformed input) and the codec tables
+SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "__pycache__"}
+
+
 def read_texts(path: pathlib.Path, limit: int) -> list[str]:
-    """A text file, or the .py/.txt/.md/.rst files under a folder, up to ``limit`` characters;
-    the files in a fixed shuffled order, so a partial read samples the whole folder (the
-    standard library read alphabetically starts with tables of Unicode names)."""
+    """A text file, or the .py/.txt/.md/.rst files under a folder (not under a SKIP folder), up to
+    ``limit`` characters; the files in a fixed shuffled order, so a partial read samples the whole
+    folder (the standard library read alphabetically starts with tables of Unicode names)."""
     files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*") if p.suffix in {".py", ".txt", ".md", ".rst"} and p.is_file())
+        p for p in path.rglob("*") if p.suffix in {".py", ".txt", ".md", ".rst"} and p.is_file()
+        and not SKIP.intersection(p.relative_to(path).parts[:-1]))
     random.Random(0).shuffle(files)
     texts, total = [], 0
     for f in files:
@@ -222,7 +229,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # no abbreviations: the --resume command printed by --stop-after is built from the arguments
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter, allow_abbrev=False)
     ap.add_argument("--data", type=pathlib.Path, default=pathlib.Path(sysconfig.get_paths()["stdlib"]),
-                    help="a text file, or a folder whose .py/.txt/.md/.rst files are read "
+                    help="a text file, or a folder whose .py/.txt/.md/.rst files are read, "
+                         f"except under folders named {', '.join(sorted(SKIP))} "
                          "(default: Python's standard library)")
     ap.add_argument("--max-chars", type=int, default=4_000_000, help="read at most this much text")
     ap.add_argument("--model", type=pathlib.Path, default=None,
