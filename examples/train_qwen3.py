@@ -13,8 +13,8 @@ ladder compares their convergence with ``python -m roundpipe.bench memory``).
 
     python examples/train_qwen3.py                      # Python's standard library, from scratch
     python examples/train_qwen3.py --lora --model PATH  # LoRA fine-tuning of a local HF checkpoint
-    python examples/train_qwen3.py --steps 400 --save-every 100
-    python examples/train_qwen3.py --steps 400 --resume  # continue the run in --out exactly
+    python examples/train_qwen3.py --steps 600 --save-every 100
+    python examples/train_qwen3.py --steps 600 --resume  # continue the run in --out exactly
 
 Compute dtype: bf16 where the device computes it natively (CUDA; CPUs with AVX512-BF16 or AMX on
 x86, the BF16 extension on Arm), fp32 elsewhere (torch emulates bf16 matmuls there at a fraction
@@ -240,17 +240,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="train LoRA adapters (peft) instead of all weights (with --model: "
                          "without it the adapters sit on a new, random model)")
     ap.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
-    ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary of the new tokenizer")
-    ap.add_argument("--hidden", type=int, default=384, help="model width (new model)")
+    ap.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary of the new tokenizer")
+    ap.add_argument("--hidden", type=int, default=256, help="model width (new model)")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (new model)")
-    ap.add_argument("--heads", type=int, default=6, help="attention heads (new model)")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads (new model)")
     ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (new model)")
-    ap.add_argument("--steps", type=int, default=150, help="optimizer steps (in total, with --resume)")
+    ap.add_argument("--steps", type=int, default=300, help="optimizer steps (in total, with --resume)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--microbatches", type=int, default=2, help="microbatches per step")
-    ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay)")
-    ap.add_argument("--warmup", type=int, default=15, help="linear warm-up steps")
+    ap.add_argument("--lr", type=float, default=4e-3, help="peak learning rate (cosine decay)")
+    ap.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--optimizer", choices=["adamw", "adafactor"], default="adamw",
                     help="roundpipe.optim.AdamW, or roundpipe.optim.Adafactor (factored second "
@@ -281,8 +281,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="start afresh in an --out that holds an earlier run's checkpoint, "
                          "deleting that run's checkpoint, model, loss.png and metrics.json "
                          "(without it such an --out is refused)")
-    ap.add_argument("--prompt", default="def ", help="start of the generated sample")
-    ap.add_argument("--sample-tokens", type=int, default=80, help="length of the generated sample")
+    ap.add_argument("--prompt", default="class Reader:\n    def __init__(self",
+                    help="start of the generated sample")
+    ap.add_argument("--sample-tokens", type=int, default=100, help="length of the generated sample")
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the sample")
     ap.add_argument("--top-k", type=int, default=40, help="sample from this many likeliest tokens")
     ap.add_argument("--repetition-penalty", type=float, default=1.2,
