@@ -149,6 +149,20 @@ def encode(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def split(ids: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training and validation tokens: the stream cut into chunks of 16 sequences, every 50th
+    chunk (2%) held out, so the validation text is spread over the whole data like the training
+    text (the stream's tail alone is a few files, easier or harder than the rest)."""
+    chunk = 16 * (seq + 1)
+    n = len(ids) // chunk
+    if n < 50:  # too little text for chunks: the last 2% (at least 8 sequences) held out
+        size = max(len(ids) // 50, 8 * (seq + 1))
+        return ids[:-size], ids[-size:]
+    chunks = ids[: n * chunk].view(n, chunk)
+    held = torch.arange(n) % 50 == 25
+    return torch.cat([chunks[~held].flatten(), ids[n * chunk:]]), chunks[held].flatten()
+
+
 # --- model -----------------------------------------------------------------------------------------
 
 def build_model(args, vocab_size: int, tokenizer):
@@ -392,10 +406,9 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = train_tokenizer(texts, args.vocab)
         how = f"byte-level BPE trained in {time.perf_counter() - t0:.1f} s"
     ids = encode(tokenizer, texts)
-    val_size = max(len(ids) // 50, 8 * (args.seq + 1))
-    if len(ids) - val_size < 8 * (args.seq + 1):
+    train, val = split(ids, args.seq)
+    if len(train) < 8 * (args.seq + 1) or len(val) < 8 * (args.seq + 1):
         raise SystemExit(f"--data {args.data}: {len(ids)} tokens are too few for --seq {args.seq}")
-    train, val = ids[:-val_size], ids[-val_size:]
     print(f"{sum(map(len, texts)):,} characters from {args.data} -> {len(ids):,} tokens "
           f"(tokenizer: {len(tokenizer):,} tokens, {how})")
 
@@ -503,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
             vals = sum(1 for s in range(step + 1, last + 1) if s % val_every == 0 or s == args.steps)
             rest = (last - step) * per_step + vals * val_seconds
             expected = time.perf_counter() - start_all + rest
-            bar.write(f"expected about {minutes(expected)} in all, {minutes(rest)} to go: "
+            bar.write(f"expected about {minutes(expected)} for this run, {minutes(rest)} to go: "
                       f"{last - step} steps at {per_step:.2f} s (timed on steps "
                       f"{step - calibrate + 1}-{step}) and {vals} validations at "
                       f"{val_seconds:.1f} s, then a few seconds to save"
