@@ -449,6 +449,8 @@ def main(argv: list[str] | None = None) -> None:
     first = 1
     if args.resume:
         done, history = load_checkpoint(checkpoint, model, opt, schedule, scaler, gen)
+        for key in ("val_step", "val_loss"):  # a checkpoint of a version without them
+            history.setdefault(key, [])
         first = done + 1
         print(f"resumed from {checkpoint} after step {done}")
 
@@ -545,7 +547,8 @@ def main(argv: list[str] | None = None) -> None:
         "parameters": total, "trained_parameters": trained,
         "first_loss": history["loss"][0] if history["loss"] else None,
         "final_loss_mean_last_10pct": sum(history["loss"][-window:]) / window,
-        "val_loss_before": history["val_loss"][0], "val_loss_after": history["val_loss"][-1],
+        "val_loss_before": history["val_loss"][0] if history["val_loss"] else None,
+        "val_loss_after": history["val_loss"][-1] if history["val_loss"] else None,
         "tokens_per_s_median": sorted(history_tps)[len(history_tps) // 2],
         "optimizer_ms_median": sorted(history["optimizer_ms"])[len(history["optimizer_ms"]) // 2]
         if history["optimizer_ms"] else 0.0,
@@ -558,8 +561,10 @@ def main(argv: list[str] | None = None) -> None:
          f"{str(dtype).removeprefix('torch.')} + {args.master_dtype} {type(opt).__name__}")
 
     print(f"\nloss {metrics['first_loss']:.3f} -> {metrics['final_loss_mean_last_10pct']:.3f} "
-          f"(mean of the last {window} steps); validation {metrics['val_loss_before']:.3f} -> "
-          f"{metrics['val_loss_after']:.3f} (step {history['val_step'][-1]})")
+          f"(mean of the last {window} steps)" + (
+              f"; validation {metrics['val_loss_before']:.3f} (step {history['val_step'][0]}) -> "
+              f"{metrics['val_loss_after']:.3f} (step {history['val_step'][-1]})"
+              if history["val_loss"] else ""))
     print(f"{metrics['tokens_per_s_median']:,.0f} tokens/s (median step); optimizer step "
           f"{metrics['optimizer_ms_median']:.1f} ms (median); {minutes(metrics['total_seconds'])} "
           f"in all" + (f" (expected {minutes(expected)})" if expected else ""))
