@@ -98,3 +98,112 @@ def test_logs_and_weights_equal_plain_trainer(kind, mode, tmp_path):
     got = ours.model.state_dict()
     for name, want in ref_model.state_dict().items():
         torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_resume_from_a_mid_run_checkpoint_logs_what_the_uninterrupted_run_logged(tmp_path):
+    ref_trainer, _ = run_plain("llama", tmp_path / "ref")
+    saving = dict(save_strategy="steps", save_steps=10, save_total_limit=2)
+    full = run_ours("llama", tmp_path / "full", **saving)
+    checkpoint = tmp_path / "full" / "checkpoint-10"
+    assert (checkpoint / "roundpipe_state").is_dir() and (checkpoint / "trainer_state.json").is_file()
+    resumed = run_ours("llama", tmp_path / "resumed", resume=str(checkpoint), **saving)
+    after = [h for h in tc.train_logs(full.state.log_history) if h["step"] > 10]
+    # the resumed state's history starts with the checkpoint's (steps 1-10)
+    got = [h for h in tc.train_logs(resumed.state.log_history) if h["step"] > 10]
+    assert [h["step"] for h in got] == list(range(11, 21))
+    assert_same_logs(got, after)            # as the uninterrupted run
+    assert_same_logs(got, [h for h in tc.train_logs(ref_trainer.state.log_history)
+                           if h["step"] > 10])   # and as plain Trainer
+    assert tc.eval_logs(resumed.state.log_history)[-1]["eval_loss"] == pytest.approx(
+        tc.eval_logs(full.state.log_history)[-1]["eval_loss"], rel=1e-6)
+    full_sd, resumed_sd = full.model.state_dict(), resumed.model.state_dict()
+    for name, t in full_sd.items():
+        torch.testing.assert_close(resumed_sd[name], t, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_save_model_reloads_with_plain_transformers(tmp_path):
+    _, ref_model = run_plain("qwen3", tmp_path / "ref", eval_strategy="no")
+    ours = run_ours("qwen3", tmp_path / "ours", eval_strategy="no")
+    ours.save_model(str(tmp_path / "saved"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert reloaded.dtype == torch.float32
+    got = reloaded.state_dict()
+    for name, want in ref_model.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_async_step_mode_trains_and_logs_every_step(tmp_path):
+    """The asynchronous step is one step stale by design (documented), so not equal to
+    Trainer's numbers: it logs the same keys at the same steps, and its logged loss follows
+    plain Trainer's closely; the learning rates are exactly Trainer's."""
+    ref_trainer, _ = run_plain("llama", tmp_path / "ref", eval_strategy="no")
+    ours = run_ours("llama", tmp_path / "ours", {"step_mode": "async"}, eval_strategy="no")
+    ref_logs, our_logs = tc.train_logs(ref_trainer.state.log_history), \
+        tc.train_logs(ours.state.log_history)
+    assert [h["step"] for h in our_logs] == [h["step"] for h in ref_logs]
+    assert_same_logs(our_logs, ref_logs, keys=("learning_rate",))
+    assert our_logs[0]["loss"] == pytest.approx(ref_logs[0]["loss"], rel=REL)
+    for a, b in zip(our_logs, ref_logs):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.02)
+        assert 0 < a["grad_norm"] < 10
+
+
+@pytest.mark.parametrize("field,value", [("torch_compile", True), ("use_liger_kernel", True),
+                                         ("label_smoothing_factor", 0.1),
+                                         ("neftune_noise_alpha", 5.0), ("optim", "adamw_8bit")])
+def test_arguments_that_cannot_combine_are_refused_naming_them(field, value, tmp_path):
+    _reset_accelerate()
+    model = tc.make_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        args = tc.training_args(tmp_path, **{field: value})
+    except (ValueError, ImportError) as e:   # TrainingArguments refuses it itself here
+        pytest.skip(f"TrainingArguments refuses {field}={value!r} on this machine: {e}")
+    with pytest.raises(ValueError, match=field):
+        RoundPipeTrainer(model=model, args=args, train_dataset=tc.TokenData(8))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])       # nothing was modified
+
+
+def test_gradient_checkpointing_is_switched_off_with_a_warning(tmp_path):
+    _reset_accelerate()
+    args = tc.training_args(tmp_path, gradient_checkpointing=True, max_steps=1,
+                            eval_strategy="no")
+    with pytest.warns(UserWarning, match="already\\s+recomputes"):
+        trainer = RoundPipeTrainer(model=tc.make_model("llama"), args=args,
+                                   train_dataset=tc.TokenData(8),
+                                   roundpipe_kwargs={"device": "cpu"})
+    trainer.train()
+    assert not args.gradient_checkpointing and not args.activation_checkpointing
+    assert not any(getattr(m, "gradient_checkpointing", False)
+                   for m in trainer.model.module.modules())
+
+
+def test_an_optimizer_not_on_the_optimizer_copies_is_refused(tmp_path):
+    _reset_accelerate()
+    model = tc.make_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = RoundPipeTrainer(model=model, args=tc.training_args(tmp_path, max_steps=1,
+                                                                   eval_strategy="no"),
+                               train_dataset=tc.TokenData(8), optimizers=(opt, None),
+                               roundpipe_kwargs={"device": "cpu"})
+    with pytest.raises(TypeError, match="optim_parameters"):
+        trainer.train()
+
+
+def test_import_roundpipe_imports_neither_trl_nor_the_trainer():
+    import subprocess
+    code = ("import sys, roundpipe; bad = [m for m in ('trl', 'transformers', "
+            "'transformers.trainer', 'accelerate') if m in sys.modules]; assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_sft_trainer_without_trl_says_what_to_install():
+    import subprocess
+    code = ("import sys; sys.modules['trl'] = None\n"
+            "import roundpipe.hf\n"
+            "try:\n    roundpipe.hf.RoundPipeSFTTrainer\nexcept ImportError as e:\n"
+            "    assert 'pip install trl' in str(e), e\nelse:\n    raise SystemExit('no error')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
