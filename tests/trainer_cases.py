@@ -62,3 +62,80 @@ def train_logs(history: list) -> list:
 
 def eval_logs(history: list) -> list:
     return [h for h in history if "eval_loss" in h]
+
+
+# --- TRL: a tokenizer trained here, chat and prompt/completion datasets -----------------------
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|end|>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+_WORDS = ("the cat sat on a mat while two dogs ran past seven red boxes and one blue kite "
+          "flew over green hills near quiet rivers under bright stars").split()
+
+
+def make_tokenizer():
+    """A byte-level BPE tokenizer trained on a few words (no hub), with a chat template whose
+    assistant turns are marked for ``assistant_only_loss``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(_WORDS)] * 4, trainer=trainer)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>")
+    out.chat_template = CHAT_TEMPLATE
+    return out
+
+
+def make_sft_model(kind: str, tokenizer, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(COMMON, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+    cfg = (transformers.Qwen3Config(**common, head_dim=8) if kind == "qwen3"
+           else transformers.LlamaConfig(**common))
+    return transformers.AutoModelForCausalLM.from_config(cfg).float()
+
+
+def _sentence(g: torch.Generator, lo: int, hi: int) -> str:
+    n = int(torch.randint(lo, hi + 1, (1,), generator=g))
+    return " ".join(_WORDS[int(i)] for i in torch.randint(0, len(_WORDS), (n,), generator=g))
+
+
+def chat_dataset(n: int, seed: int = 3):
+    """``messages`` rows: a user turn and an assistant turn of random words."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    return datasets.Dataset.from_list([
+        {"messages": [{"role": "user", "content": _sentence(g, 2, 5)},
+                      {"role": "assistant", "content": _sentence(g, 1, 6)}]} for _ in range(n)])
+
+
+def completion_dataset(n: int, seed: int = 4):
+    """prompt/completion rows (TRL scores the completion only by default)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    return datasets.Dataset.from_list([{"prompt": _sentence(g, 2, 5), "completion": " " + _sentence(g, 1, 6)}
+                                       for _ in range(n)])
+
+
+def sft_config(out, **overrides):
+    """SFTConfig for the comparison (its own defaults kept otherwise: gradient_checkpointing=True
+    is one RoundPipe switches off); bf16 off on both sides (the reference would autocast)."""
+    from trl import SFTConfig
+
+    kw = dict(output_dir=str(out), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+              gradient_accumulation_steps=2, max_steps=20, learning_rate=3e-3, warmup_steps=3,
+              lr_scheduler_type="cosine", max_grad_norm=0.3, weight_decay=0.1,
+              adam_epsilon=1e-6, logging_steps=1, eval_strategy="steps", eval_steps=10,
+              save_strategy="no", report_to="none", use_cpu=True, seed=7, bf16=False,
+              dataloader_num_workers=0, disable_tqdm=True, max_length=32)
+    kw.update(overrides)
+    return SFTConfig(**kw)

@@ -201,12 +201,16 @@ class RoundPipeTrainerMixin:
                              f"supported: {', '.join(_SUPPORTED_OPTIM)} (roundpipe.optim.AdamW, "
                              "Adafactor, SGD), or pass optimizers=(opt, None) with an optimizer "
                              "built on model.optim_parameters()")
-        for name in ("activation_checkpointing", "gradient_checkpointing"):
-            if getattr(args, name, None):
-                warnings.warn(f"RoundPipeTrainer: {name}=True is switched off: RoundPipe already "
-                              "recomputes every layer in the backward pass (HF's checkpointing "
-                              "would recompute a second time)", UserWarning, stacklevel=4)
-                setattr(args, name, False)
+        on = [n for n in ("activation_checkpointing", "gradient_checkpointing")
+              if getattr(args, n, None)]
+        if on:
+            warnings.warn(f"RoundPipeTrainer: {'/'.join(on)}=True is switched off: RoundPipe "
+                          "already recomputes every layer in the backward pass (HF's "
+                          "checkpointing would recompute a second time)", UserWarning, stacklevel=4)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # the deprecated alias
+                for n in on:
+                    setattr(args, n, False)
         if getattr(args, "activation_offloading", False):
             raise ValueError("RoundPipeTrainer: activation_offloading=True is not supported: "
                              "RoundPipe keeps only the stage inputs, on the host, already")
