@@ -4,9 +4,7 @@ accumulation 2, warmup + cosine, clipping, weight-decay groups, AdamW):
 
 - logged loss, grad_norm and learning_rate equal at every logging step (relative 1e-4), the
   same epochs, eval_loss equal, final weights equal; for each step mode;
-- a run resumed from a mid-run checkpoint logs what the uninterrupted run logged;
-- save_model reloads with plain transformers;
-- fp16 with an injected overflow skips the same step as Trainer with torch's GradScaler;
+(resume, save_model, the asynchronous step and fp16: tests/test_trainer_modes.py)
 - arguments that cannot combine are refused before training, naming the argument;
 - accelerate's hands stay off the model (a CUDA args.device and several GPUs faked).
 """
@@ -22,7 +20,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import roundpipe  # noqa: E402
 from roundpipe.hf import RoundPipeTrainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -98,54 +95,6 @@ def test_logs_and_weights_equal_plain_trainer(kind, mode, tmp_path):
     got = ours.model.state_dict()
     for name, want in ref_model.state_dict().items():
         torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=name)
-
-
-def test_resume_from_a_mid_run_checkpoint_logs_what_the_uninterrupted_run_logged(tmp_path):
-    ref_trainer, _ = run_plain("llama", tmp_path / "ref")
-    saving = dict(save_strategy="steps", save_steps=10, save_total_limit=2)
-    full = run_ours("llama", tmp_path / "full", **saving)
-    checkpoint = tmp_path / "full" / "checkpoint-10"
-    assert (checkpoint / "roundpipe_state").is_dir() and (checkpoint / "trainer_state.json").is_file()
-    resumed = run_ours("llama", tmp_path / "resumed", resume=str(checkpoint), **saving)
-    after = [h for h in tc.train_logs(full.state.log_history) if h["step"] > 10]
-    # the resumed state's history starts with the checkpoint's (steps 1-10)
-    got = [h for h in tc.train_logs(resumed.state.log_history) if h["step"] > 10]
-    assert [h["step"] for h in got] == list(range(11, 21))
-    assert_same_logs(got, after)            # as the uninterrupted run
-    assert_same_logs(got, [h for h in tc.train_logs(ref_trainer.state.log_history)
-                           if h["step"] > 10])   # and as plain Trainer
-    assert tc.eval_logs(resumed.state.log_history)[-1]["eval_loss"] == pytest.approx(
-        tc.eval_logs(full.state.log_history)[-1]["eval_loss"], rel=1e-6)
-    full_sd, resumed_sd = full.model.state_dict(), resumed.model.state_dict()
-    for name, t in full_sd.items():
-        torch.testing.assert_close(resumed_sd[name], t, rtol=1e-6, atol=1e-7, msg=name)
-
-
-def test_save_model_reloads_with_plain_transformers(tmp_path):
-    _, ref_model = run_plain("qwen3", tmp_path / "ref", eval_strategy="no")
-    ours = run_ours("qwen3", tmp_path / "ours", eval_strategy="no")
-    ours.save_model(str(tmp_path / "saved"))
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
-    assert reloaded.dtype == torch.float32
-    got = reloaded.state_dict()
-    for name, want in ref_model.state_dict().items():
-        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=name)
-
-
-def test_async_step_mode_trains_and_logs_every_step(tmp_path):
-    """The asynchronous step is one step stale by design (documented), so not equal to
-    Trainer's numbers: it logs the same keys at the same steps, and its logged loss follows
-    plain Trainer's closely; the learning rates are exactly Trainer's."""
-    ref_trainer, _ = run_plain("llama", tmp_path / "ref", eval_strategy="no")
-    ours = run_ours("llama", tmp_path / "ours", {"step_mode": "async"}, eval_strategy="no")
-    ref_logs, our_logs = tc.train_logs(ref_trainer.state.log_history), \
-        tc.train_logs(ours.state.log_history)
-    assert [h["step"] for h in our_logs] == [h["step"] for h in ref_logs]
-    assert_same_logs(our_logs, ref_logs, keys=("learning_rate",))
-    assert our_logs[0]["loss"] == pytest.approx(ref_logs[0]["loss"], rel=REL)
-    for a, b in zip(our_logs, ref_logs):
-        assert a["loss"] == pytest.approx(b["loss"], rel=0.02)
-        assert 0 < a["grad_norm"] < 10
 
 
 @pytest.mark.parametrize("field,value", [("torch_compile", True), ("use_liger_kernel", True),

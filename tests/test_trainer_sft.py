@@ -16,7 +16,6 @@ import torch
 
 pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
-import transformers  # noqa: E402
 import trl  # noqa: E402
 
 from roundpipe.hf import RoundPipeSFTTrainer  # noqa: E402
