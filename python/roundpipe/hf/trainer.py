@@ -540,6 +540,8 @@ class _WrapModel(Trainer):
                             "PeftModel around one, or one wrapped by wrap_model_to_roundpipe; "
                             f"got {type(model).__name__}")
         kwargs = dict(self._rp_kwargs)
+        if getattr(args, "use_cpu", False):
+            kwargs.setdefault("device", "cpu")
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         optim_dtype = kwargs.pop("optim_dtype", None)
         if dtype is not None:
