@@ -6,7 +6,8 @@ accumulation 2, warmup + cosine, clipping, weight-decay groups, AdamW):
   same epochs, eval_loss equal, final weights equal; for each step mode;
 (resume, save_model, the asynchronous step and fp16: tests/test_trainer_modes.py)
 - arguments that cannot combine are refused before training, naming the argument;
-- accelerate's hands stay off the model (a CUDA args.device and several GPUs faked).
+- accelerate's hands stay off the model (a CUDA args.device and two GPUs faked: no DataParallel,
+  no move of the model or the batches, the logs of plain Trainer with the batch of 2 GPUs).
 """
 
 from __future__ import annotations
@@ -156,3 +157,59 @@ def test_sft_trainer_without_trl_says_what_to_install():
             "    assert 'pip install trl' in str(e), e\nelse:\n    raise SystemExit('no error')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+class _FakeCuda(torch.overrides.TorchFunctionMode):
+    """Every tensor asked for on a CUDA device is made on the CPU instead, and recorded (the
+    function and the tensor's shape): what Trainer and accelerate send to ``args.device``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moved: list = []
+
+    @staticmethod
+    def _cuda(x) -> bool:
+        return (isinstance(x, torch.device) and x.type == "cuda") or \
+            (isinstance(x, str) and x.startswith("cuda"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if any(self._cuda(a) for a in list(args) + list(kwargs.values())):
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            self.moved.append((getattr(func, "__name__", str(func)),
+                               None if first is None else tuple(first.shape)))
+            args = tuple("cpu" if self._cuda(a) else a for a in args)
+            kwargs = {k: ("cpu" if self._cuda(v) else v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def test_accelerate_keeps_its_hands_off_with_a_cuda_device_and_two_gpus(tmp_path, monkeypatch):
+    """args.device faked as cuda:0 and n_gpu as 2 (as on a 2-GPU machine): no DataParallel, the
+    model is never moved (RoundPipe refuses any move of its weights), the batches reach the
+    pipeline on the host (only 0-dim loss/count tensors go to args.device) and the logs equal
+    plain Trainer's on the CPU with the batch Trainer forms for 2 GPUs (2 x 4)."""
+    steps = dict(max_steps=6, eval_strategy="no")
+    ref_trainer, _ = run_plain("llama", tmp_path / "ref", per_device_train_batch_size=8, **steps)
+    _reset_accelerate()
+    cuda = torch.device("cuda:0")   # made outside the fake (which turns cuda into cpu)
+    monkeypatch.setattr(transformers.TrainingArguments, "device",
+                        property(lambda self: (self._setup_devices, cuda)[1]))
+    monkeypatch.setattr(transformers.TrainingArguments, "n_gpu", property(lambda self: 2))
+
+    def no_data_parallel(*a, **k):
+        raise AssertionError("DataParallel was built")
+
+    monkeypatch.setattr(torch.nn.DataParallel, "__init__", no_data_parallel)
+    fake = _FakeCuda()
+    with fake:
+        trainer = RoundPipeTrainer(model=tc.make_model("llama"),
+                                   args=tc.training_args(tmp_path / "ours", **steps),
+                                   train_dataset=tc.TokenData(48),
+                                   roundpipe_kwargs={"num_microbatch": 2})
+        assert trainer.args.train_batch_size == 8 and trainer.place_model_on_device
+        trainer.train()
+    assert all(p.device.type == "cpu" for p in trainer.model.module.parameters())
+    assert fake.moved, "nothing was sent to args.device: the fake did not take effect"
+    assert all(shape in (None, ()) for _, shape in fake.moved), fake.moved
+    assert_same_logs(tc.train_logs(trainer.state.log_history),
+                     tc.train_logs(ref_trainer.state.log_history))

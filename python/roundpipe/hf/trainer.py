@@ -389,10 +389,15 @@ class RoundPipeTrainerMixin:
         if num_items_in_batch is None:   # Trainer's per-batch mean divided by the window size
             num = float(count_items(batch["labels"])) * self.current_gradient_accumulation_steps
         else:
-            num = float(num_items_in_batch.sum() if torch.is_tensor(num_items_in_batch)
-                        and num_items_in_batch.dim() > 0 else num_items_in_batch)
+            # with n_gpu > 1 Trainer repeats the count once per DataParallel replica and, without
+            # average_tokens_across_devices, divides it by n_gpu: here the whole batch is one
+            # pipeline call, so the count of the whole window is used
+            num = float(num_items_in_batch.reshape(-1)[0] if torch.is_tensor(num_items_in_batch)
+                        else num_items_in_batch)
             if self.args.average_tokens_across_devices:
                 scale = float(self.accelerator.num_processes)
+            elif self.args.n_gpu > 1:
+                num *= self.args.n_gpu
         batch["num_items_in_batch"] = num
         step_kwargs: dict = {"grad_scaler": self._rp_scaler}
         last = self.accelerator.gradient_state.sync_gradients
