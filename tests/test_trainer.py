@@ -3,11 +3,13 @@ the unwrapped model (tiny float32 Llama and Qwen3 built from a config, 20 steps,
 accumulation 2, warmup + cosine, clipping, weight-decay groups, AdamW):
 
 - logged loss, grad_norm and learning_rate equal at every logging step (relative 1e-4), the
-  same epochs, eval_loss equal, final weights equal; for each step mode;
-(resume, save_model, the asynchronous step and fp16: tests/test_trainer_modes.py)
+  same epochs, eval_loss equal, final weights equal; in sync and exact mode;
 - arguments that cannot combine are refused before training, naming the argument;
 - accelerate's hands stay off the model (a CUDA args.device and two GPUs faked: no DataParallel,
   no move of the model or the batches, the logs of plain Trainer with the batch of 2 GPUs).
+
+Resume, save_model, the asynchronous step and fp16: tests/test_trainer_modes.py; TRL:
+tests/test_trainer_sft.py; two gloo ranks: tests/test_trainer_distributed.py.
 """
 
 from __future__ import annotations
