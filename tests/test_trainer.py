@@ -78,10 +78,12 @@ def comparison_table(ours: list, ref: list) -> str:
     return "\n".join(rows)
 
 
-@pytest.mark.parametrize("kind,mode", [("llama", "sync"), ("qwen3", "sync"), ("llama", "exact")])
-def test_logs_and_weights_equal_plain_trainer(kind, mode, tmp_path):
-    ref_trainer, ref_model = run_plain(kind, tmp_path / "ref")
-    ours = run_ours(kind, tmp_path / "ours", {"step_mode": mode})
+@pytest.mark.parametrize("kind,mode,clip", [("llama", "sync", 1.15), ("qwen3", "sync", 1.15),
+                                            ("llama", "exact", 1.15), ("qwen3", "exact", 0.0)])
+def test_logs_and_weights_equal_plain_trainer(kind, mode, clip, tmp_path):
+    """``clip`` 0: no clipping (exact mode then steps each stage during the backward)."""
+    ref_trainer, ref_model = run_plain(kind, tmp_path / "ref", max_grad_norm=clip)
+    ours = run_ours(kind, tmp_path / "ours", {"step_mode": mode}, max_grad_norm=clip)
     ref_logs, our_logs = tc.train_logs(ref_trainer.state.log_history), \
         tc.train_logs(ours.state.log_history)
     print(f"\n{kind} {mode}\n" + comparison_table(our_logs, ref_logs))
@@ -89,7 +91,7 @@ def test_logs_and_weights_equal_plain_trainer(kind, mode, tmp_path):
     assert_same_logs(our_logs, ref_logs)
     # clipping happened on some steps and not on others, so both branches were compared
     norms = [h["grad_norm"] for h in ref_logs]
-    assert min(norms) < 1.15 < max(norms)
+    assert clip == 0 or min(norms) < clip < max(norms)
     ref_eval, our_eval = tc.eval_logs(ref_trainer.state.log_history), \
         tc.eval_logs(ours.state.log_history)
     assert len(ref_eval) == len(our_eval) == 2
@@ -98,6 +100,9 @@ def test_logs_and_weights_equal_plain_trainer(kind, mode, tmp_path):
     got = ours.model.state_dict()
     for name, want in ref_model.state_dict().items():
         torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=name)
+    if mode == "exact":   # stepped during the backward unless clipping needs the norm first
+        deferred = ours.model.pipeline_stats().get("exact_deferred_calls", 0)
+        assert (deferred == 0) == (clip == 0), deferred
 
 
 @pytest.mark.parametrize("field,value", [("torch_compile", True), ("use_liger_kernel", True),

@@ -402,7 +402,11 @@ class RoundPipeTrainerMixin:
         step_kwargs: dict = {"grad_scaler": self._rp_scaler}
         last = self.accelerator.gradient_state.sync_gradients
         if self._rp_mode == "exact" and last:
-            step_kwargs.update(optimizer=self.optimizer.real, max_grad_norm=self._max_grad_norm())
+            # without clipping, exact mode steps each stage during the backward (its norm is
+            # measured all the same); clipping needs the global norm first (a deferred step)
+            clip = self.args.max_grad_norm
+            step_kwargs.update(optimizer=self.optimizer.real,
+                               max_grad_norm=float(clip) if clip and clip > 0 else None)
         loss = rp.forward_backward(input_kwargs=batch, **step_kwargs)
         return (loss.detach() * scale).to(self.args.device)
 
