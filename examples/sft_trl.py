@@ -192,7 +192,8 @@ def main() -> None:
         tokenize=False)
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     out = reloaded.generate(ids, max_new_tokens=24, do_sample=False,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                            eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
     answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     print(f"reloaded {args.out / 'model'} with plain transformers{' + PEFT' if args.lora else ''}; "
           f"generate(): What does os.path.join do? -> {answer.strip()!r}")

@@ -73,8 +73,9 @@ def comparison_table(ours: list, ref: list) -> str:
     rows = [f"{'step':>4} {'loss ours':>12} {'loss Trainer':>12} {'grad_norm ours':>14} "
             f"{'grad_norm Tr.':>14} {'lr ours':>10} {'lr Trainer':>10}"]
     for a, b in zip(ours, ref):
-        rows.append(f"{a['step']:>4} {a['loss']:>12.7f} {b['loss']:>12.7f} {a['grad_norm']:>14.7f} "
-                    f"{b['grad_norm']:>14.7f} {a['learning_rate']:>10.3e} {b['learning_rate']:>10.3e}")
+        rows.append(f"{a['step']:>4} {a['loss']:>12.7f} {b['loss']:>12.7f} "
+                    f"{a['grad_norm']:>14.7f} {b['grad_norm']:>14.7f} "
+                    f"{a['learning_rate']:>10.3e} {b['learning_rate']:>10.3e}")
     return "\n".join(rows)
 
 

@@ -34,7 +34,8 @@ def test_resume_from_a_mid_run_checkpoint_logs_what_the_uninterrupted_run_logged
     saving = dict(save_strategy="steps", save_steps=10, save_total_limit=2)
     full = run_ours("llama", tmp_path / "full", **saving)
     checkpoint = tmp_path / "full" / "checkpoint-10"
-    assert (checkpoint / "roundpipe_state").is_dir() and (checkpoint / "trainer_state.json").is_file()
+    assert (checkpoint / "roundpipe_state").is_dir()
+    assert (checkpoint / "trainer_state.json").is_file()
     resumed = run_ours("llama", tmp_path / "resumed", resume=str(checkpoint), **saving)
     after = [h for h in tc.train_logs(full.state.log_history) if h["step"] > 10]
     # the resumed state's history starts with the checkpoint's (steps 1-10)

@@ -122,8 +122,8 @@ def completion_dataset(n: int, seed: int = 4):
     import datasets
 
     g = torch.Generator().manual_seed(seed)
-    return datasets.Dataset.from_list([{"prompt": _sentence(g, 2, 5), "completion": " " + _sentence(g, 1, 6)}
-                                       for _ in range(n)])
+    return datasets.Dataset.from_list([
+        {"prompt": _sentence(g, 2, 5), "completion": " " + _sentence(g, 1, 6)} for _ in range(n)])
 
 
 def sft_config(out, **overrides):

@@ -4,7 +4,8 @@ torchrun would: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the en
     python tests/trainer_ranks.py OUTDIR PER_DEVICE_BATCH SHARD
 
 Trains the comparison's Llama with RoundPipeTrainer over the gloo group TrainingArguments
-initialises (``shard_optimizer`` as given), saving a checkpoint at step 10 (OUTDIR/run/checkpoint-10);
+initialises (``shard_optimizer`` as given), saving a checkpoint at step 10
+(OUTDIR/run/checkpoint-10);
 rank 0 writes the log history and the final weights (log.json, weights.pt) to OUTDIR.
 """
 

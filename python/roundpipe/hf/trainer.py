@@ -370,7 +370,8 @@ class RoundPipeTrainerMixin:
                 if v is None or k in ("use_cache", "return_dict"):
                     continue
                 raise TypeError(f"RoundPipeTrainer.{where}: the batch holds {k!r}, which the "
-                                f"RoundPipe HF model does not take (it takes {', '.join(_INPUT_KEYS)})")
+                                "RoundPipe HF model does not take (it takes "
+                                f"{', '.join(_INPUT_KEYS)})")
             if v is not None:
                 out[k] = v.cpu() if isinstance(v, torch.Tensor) else v
         return out
@@ -435,7 +436,8 @@ class RoundPipeTrainerMixin:
             loss = total.float() / denom
             logits = None
         else:
-            kw = {} if num is None else {"num_items_in_batch": num.cpu() if torch.is_tensor(num) else num}
+            kw = {} if num is None else {
+                "num_items_in_batch": num.cpu() if torch.is_tensor(num) else num}
             with torch.no_grad():
                 out = rp(**batch, **kw)
             loss, logits = out.loss, out.logits
