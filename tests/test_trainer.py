@@ -123,6 +123,16 @@ def test_arguments_that_cannot_combine_are_refused_naming_them(field, value, tmp
         assert torch.equal(v, before[k])       # nothing was modified
 
 
+@pytest.mark.parametrize("field", ["compute_loss_func", "model_init"])
+def test_trainer_arguments_that_cannot_combine_are_refused(field, tmp_path):
+    _reset_accelerate()
+    model = tc.make_model("llama")
+    with pytest.raises(ValueError, match=field):
+        RoundPipeTrainer(model=model, args=tc.training_args(tmp_path),
+                         train_dataset=tc.TokenData(8), **{field: lambda *a, **k: None})
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+
+
 def test_gradient_checkpointing_is_switched_off_with_a_warning(tmp_path):
     _reset_accelerate()
     args = tc.training_args(tmp_path, gradient_checkpointing=True, max_steps=1,

@@ -154,7 +154,9 @@ class RoundPipeTrainerMixin:
     stage's parameters stepped as soon as their gradients are final, during the backward of the
     last call of the accumulation window; the same numbers as ``"sync"``) or ``"async"`` (the
     update runs while the next step's passes run, with the weights one step stale; see
-    :meth:`roundpipe.RoundPipe.step`).
+    :meth:`roundpipe.RoundPipe.step`; logging, evaluation and saving wait for the pending step
+    first, and with ``fp16`` every step waits for its overflow verdict, which Trainer needs to
+    decide whether the scheduler advances).
     """
 
     def __init__(self, *pos: Any, roundpipe_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
@@ -174,6 +176,12 @@ class RoundPipeTrainerMixin:
         training_args = kwargs.get("args", pos[1] if len(pos) > 1 else None)
         if training_args is not None:
             self._check_arguments(training_args)
+        if kwargs.get("compute_loss_func") is not None:
+            raise ValueError("RoundPipeTrainer: compute_loss_func is not supported: the loss is "
+                             "HF's causal-LM loss, computed in chunks inside the pipeline")
+        if kwargs.get("model_init") is not None:
+            raise ValueError("RoundPipeTrainer: model_init is not supported (Trainer would "
+                             "replace the wrapped model by an unwrapped one); pass model=")
         self._rp_kwargs = rp_kwargs
         self._rp_mode = mode
         self._rp_scaler: Optional[GradScaler] = None
@@ -216,6 +224,8 @@ class RoundPipeTrainerMixin:
                              "RoundPipe keeps only the stage inputs, on the host, already")
 
     def _check_after_init(self) -> None:
+        """What can only be seen on the built trainer (a ``compute_loss_func`` passed
+        positionally)."""
         if self.compute_loss_func is not None:
             raise ValueError("RoundPipeTrainer: compute_loss_func is not supported: the loss is "
                              "HF's causal-LM loss, computed in chunks inside the pipeline")
