@@ -7,7 +7,8 @@ tests/test_trainer.py), continued:
 - the asynchronous step mode logs every step, Trainer's learning rates, losses close to
   Trainer's (one step stale by design);
 - fp16 with an injected overflow skips the same step as Trainer with torch's GradScaler (the
-  scheduler held back the same way; 10 steps).
+  scheduler held back the same way; 10 steps); a resumed fp16 run gets the grad scaler's state
+  back from the checkpoint.
 """
 
 from __future__ import annotations
@@ -136,3 +137,27 @@ def test_fp16_with_an_injected_overflow_skips_the_same_step_as_trainer(tmp_path)
             assert a["loss"] == pytest.approx(b["loss"], rel=5e-3)
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
     assert ours._rp_scaler.get_scale() == acc.scaler.get_scale() == 2.0 ** 15
+
+
+def test_fp16_resume_restores_the_grad_scaler(tmp_path):
+    """A checkpoint after an overflow holds the backed-off scale: the resumed run logs what the
+    uninterrupted one logged and ends with the same scale (not torch's initial 2**16)."""
+    at, kw = 3, dict(fp16=True, optim="adamw_torch", max_steps=8, eval_strategy="no",
+                     save_strategy="steps", save_steps=4)
+
+    def run(out, resume=None):
+        _reset_accelerate()
+        model = tc.make_model("llama")
+        trainer = RoundPipeTrainer(model=model, args=tc.training_args(out, **kw),
+                                   train_dataset=tc.TokenData(48),
+                                   roundpipe_kwargs={"num_microbatch": 2, "device": "cpu"})
+        trainer.add_callback(_Overflow(model, at))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    resumed = run(tmp_path / "resumed", str(tmp_path / "full" / "checkpoint-4"))
+    after = [h for h in tc.train_logs(full.state.log_history) if h["step"] > 4]
+    got = [h for h in tc.train_logs(resumed.state.log_history) if h["step"] > 4]
+    assert_same_logs(got, after)
+    assert resumed._rp_scaler.get_scale() == full._rp_scaler.get_scale() == 2.0 ** 15

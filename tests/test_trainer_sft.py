@@ -2,7 +2,7 @@
 unwrapped model (tiny float32 Llama / Qwen3, a tokenizer trained here, 20 steps, accumulation
 2, warmup + cosine, clipping, weight decay): a chat (``messages``) dataset with
 ``assistant_only_loss``, full fine-tuning; a prompt/completion dataset with ``peft_config=``
-LoRA (completion-only loss). Logged loss, grad_norm, learning_rate and num_tokens equal at
+LoRA (completion-only loss); a plain-text dataset (6 steps). Logged loss, grad_norm, learning_rate and num_tokens equal at
 every step (relative 1e-4), eval_loss equal, final weights equal; save_model reloads with
 transformers / PEFT."""
 
@@ -101,3 +101,17 @@ def test_the_sft_example_runs(tmp_path):
     assert "logged the uninterrupted run's losses (largest relative difference 0.0e+00)" in r.stdout
     assert "reloaded" in r.stdout and "generate()" in r.stdout
     assert (tmp_path / "model" / "adapter_model.safetensors").is_file()
+
+
+def test_plain_text_dataset_equals_plain_sft_trainer(tmp_path):
+    import datasets
+
+    g = torch.Generator().manual_seed(5)
+    text = datasets.Dataset.from_list([{"text": tc._sentence(g, 3, 9)} for _ in range(32)])
+    short = dict(max_steps=6, eval_strategy="no")
+    ref = run(trl.SFTTrainer, "llama", tmp_path / "ref", text, None, **short)
+    ours = run(RoundPipeSFTTrainer, "llama", tmp_path / "ours", text, None, **short)
+    a, b = tc.train_logs(ours.state.log_history), tc.train_logs(ref.state.log_history)
+    assert len(b) == 6
+    assert_same_logs(a, b)
+    assert [h["num_tokens"] for h in a] == [h["num_tokens"] for h in b]
