@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, in one call on a machine with an NVIDIA GPU and no network (its python3
 # already holds torch with CUDA, transformers, peft, nanobind, scikit-build-core, cmake, ninja,
-# pytest): builds RoundPipe with those packages, runs tests/test_gpu.py, then the pipeline
+# pytest; accelerate for the Trainer tests): builds RoundPipe with those packages, runs
+# tests/test_gpu.py and tests/test_trainer_gpu.py (RoundPipeTrainer on CUDA), then the pipeline
 # benchmark on a ~1.4B-parameter bf16 model against plain PyTorch on the same GPU (tokens/s,
 # waits, upload GB/s against a pinned copy's peak, reserved memory, bytes moved over their
 # floor), then the generation benchmark (tokens/s against plain transformers generate on the
@@ -36,6 +37,16 @@ set +e
 tests_rc=${PIPESTATUS[0]}
 set -e
 echo "tests: exit $tests_rc in $((SECONDS - start)) s"
+
+echo "== tests/test_trainer_gpu.py: RoundPipeTrainer on CUDA against plain Trainer on the GPU"
+start=$SECONDS
+set +e
+(cd /tmp && $PY -m pytest -q -s -p no:cacheprovider "$OLDPWD/tests/test_trainer_gpu.py" -x \
+  --timeout 240 -rs) 2>&1 | tee "$out/test_trainer_gpu.txt"
+trainer_rc=${PIPESTATUS[0]}
+set -e
+echo "trainer tests: exit $trainer_rc in $((SECONDS - start)) s (skipped without accelerate)"
+[ "$trainer_rc" -eq 0 ] || [ "$tests_rc" -ne 0 ] || tests_rc=$trainer_rc
 
 echo "== pipeline benchmark: bf16, 16 layers x 2560 (about 1.4B parameters), seq 1024, batch 8"
 start=$SECONDS

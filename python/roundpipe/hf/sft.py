@@ -1,0 +1,85 @@
+"""``RoundPipeSFTTrainer``: TRL's ``SFTTrainer`` driving RoundPipe (needs trl).
+
+Everything of :class:`roundpipe.hf.trainer.RoundPipeTrainerMixin`, plus TRL's parts: its
+datasets (plain text, prompt/completion, chat ``messages`` through the tokenizer's template),
+``completion_only_loss`` / ``assistant_only_loss`` (TRL's collator sets the labels of the
+tokens not scored to -100, which the pipeline's loss ignores), ``peft_config=`` (TRL applies it,
+then the trainer wraps the ``PeftModel``) and the ``num_tokens`` metric. ``mean_token_accuracy``
+and ``entropy`` need every token's full distribution, which the chunked loss does not keep:
+they are left out of the logs, with a one-time warning.
+
+SFTConfig defaults that conflict with RoundPipe: ``gradient_checkpointing=True`` is switched
+off with a warning (RoundPipe recomputes already); ``bf16=True`` (SFTConfig's default) makes
+the model copy bf16 with fp32 optimizer copies, without autocast; ``packing`` /
+``padding_free`` and ``loss_type="dft"`` are refused with a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+try:
+    from trl import SFTTrainer
+except ImportError as e:  # pragma: no cover - exercised by a test with trl hidden
+    raise ImportError("roundpipe.hf.RoundPipeSFTTrainer needs TRL: pip install trl "
+                      "(tested with trl 1.16; or pip install 'roundpipe[trainer]')") from e
+
+from .trainer import RoundPipeTrainerMixin, _WrapModel
+
+
+class RoundPipeSFTTrainer(RoundPipeTrainerMixin, SFTTrainer, _WrapModel):
+    """``trl.SFTTrainer`` training through RoundPipe; constructed as ``SFTTrainer`` is, plus
+    ``roundpipe_kwargs`` (see :class:`roundpipe.hf.RoundPipeTrainer` and the module docstring)::
+
+        trainer = RoundPipeSFTTrainer(model=hf_model, args=SFTConfig(...),
+                                      train_dataset=chat_dataset, processing_class=tokenizer,
+                                      peft_config=peft.LoraConfig(...),
+                                      roundpipe_kwargs={"num_microbatch": 2})
+
+    Raises:
+        ValueError: ``packing`` / ``padding_free`` (packed rows need attention kept within each
+            sequence, not supported yet), ``loss_type`` other than ``"nll"``, and everything
+            :class:`roundpipe.hf.RoundPipeTrainer` refuses.
+    """
+
+    def __init__(self, *pos: Any, **kwargs: Any) -> None:
+        args = kwargs.get("args", pos[1] if len(pos) > 1 else None)
+        if args is not None:
+            for name in ("packing", "padding_free"):
+                if getattr(args, name, False):
+                    raise ValueError(f"RoundPipeSFTTrainer: {name}=True is not supported (packed "
+                                     "rows need attention kept within each sequence); pad the "
+                                     "batches instead (the default)")
+            if getattr(args, "loss_type", "nll") != "nll":
+                raise ValueError(f"RoundPipeSFTTrainer: loss_type={args.loss_type!r} is not "
+                                 "supported; the pipeline computes the token-mean NLL ('nll')")
+        super().__init__(*pos, **kwargs)
+
+    def training_step(self, model, inputs: dict, num_items_in_batch=None):
+        """RoundPipe's training step plus TRL's ``num_tokens`` count."""
+        self._count_tokens(inputs)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
+        """RoundPipe's evaluation step; ``num_tokens`` as TRL logs it in evaluation."""
+        self._metrics["eval"]["num_tokens"] = [self._total_train_tokens]
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def _count_tokens(self, inputs: dict) -> None:
+        if not self._rp_metric_warned:
+            self._rp_metric_warned = True
+            warnings.warn("RoundPipeSFTTrainer: mean_token_accuracy and entropy are not logged "
+                          "(they need every token's full distribution, which RoundPipe's chunked "
+                          "loss does not keep); loss, grad_norm, learning_rate, epoch and "
+                          "num_tokens are", UserWarning, stacklevel=3)
+        if "attention_mask" in inputs:
+            local = inputs["attention_mask"].sum()
+        else:
+            local = inputs["input_ids"].new_tensor(inputs["input_ids"].numel())
+        total = self.accelerator.gather_for_metrics(local.to(self.args.device)).sum().item()
+        self._total_train_tokens += total // self._tp_size
+        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+
+
+__all__ = ["RoundPipeSFTTrainer"]

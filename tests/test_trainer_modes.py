@@ -1,0 +1,163 @@
+"""RoundPipeTrainer against plain ``transformers.Trainer`` (the reference, see
+tests/test_trainer.py), continued:
+
+- a run resumed from a mid-run checkpoint logs what the uninterrupted run logged (and what
+  plain Trainer logged);
+- save_model reloads with plain transformers;
+- the asynchronous step mode logs every step, Trainer's learning rates, losses close to
+  Trainer's (one step stale by design);
+- fp16 with an injected overflow skips the same step as Trainer with torch's GradScaler (the
+  scheduler held back the same way; 10 steps); a resumed fp16 run gets the grad scaler's state
+  back from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from roundpipe.hf import RoundPipeTrainer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import trainer_cases as tc  # noqa: E402
+from test_trainer import (REL, _reset_accelerate, assert_same_logs, comparison_table,  # noqa: E402
+                          run_ours, run_plain)
+
+
+def test_resume_from_a_mid_run_checkpoint_logs_what_the_uninterrupted_run_logged(tmp_path):
+    ref_trainer, _ = run_plain("llama", tmp_path / "ref")
+    saving = dict(save_strategy="steps", save_steps=10, save_total_limit=2)
+    full = run_ours("llama", tmp_path / "full", **saving)
+    checkpoint = tmp_path / "full" / "checkpoint-10"
+    assert (checkpoint / "roundpipe_state").is_dir()
+    assert (checkpoint / "trainer_state.json").is_file()
+    resumed = run_ours("llama", tmp_path / "resumed", resume=str(checkpoint), **saving)
+    after = [h for h in tc.train_logs(full.state.log_history) if h["step"] > 10]
+    # the resumed state's history starts with the checkpoint's (steps 1-10)
+    got = [h for h in tc.train_logs(resumed.state.log_history) if h["step"] > 10]
+    assert [h["step"] for h in got] == list(range(11, 21))
+    assert_same_logs(got, after)            # as the uninterrupted run
+    assert_same_logs(got, [h for h in tc.train_logs(ref_trainer.state.log_history)
+                           if h["step"] > 10])   # and as plain Trainer
+    assert tc.eval_logs(resumed.state.log_history)[-1]["eval_loss"] == pytest.approx(
+        tc.eval_logs(full.state.log_history)[-1]["eval_loss"], rel=1e-6)
+    full_sd, resumed_sd = full.model.state_dict(), resumed.model.state_dict()
+    for name, t in full_sd.items():
+        torch.testing.assert_close(resumed_sd[name], t, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_save_model_reloads_with_plain_transformers(tmp_path):
+    _, ref_model = run_plain("qwen3", tmp_path / "ref", eval_strategy="no")
+    ours = run_ours("qwen3", tmp_path / "ours", eval_strategy="no")
+    ours.save_model(str(tmp_path / "saved"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert reloaded.dtype == torch.float32
+    got = reloaded.state_dict()
+    for name, want in ref_model.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_async_step_mode_trains_and_logs_every_step(tmp_path):
+    """The asynchronous step is one step stale by design (documented), so not equal to
+    Trainer's numbers: it logs the same keys at the same steps, and its logged loss follows
+    plain Trainer's closely; the learning rates are exactly Trainer's."""
+    ref_trainer, _ = run_plain("llama", tmp_path / "ref", eval_strategy="no")
+    ours = run_ours("llama", tmp_path / "ours", {"step_mode": "async"}, eval_strategy="no")
+    ref_logs, our_logs = tc.train_logs(ref_trainer.state.log_history), \
+        tc.train_logs(ours.state.log_history)
+    assert [h["step"] for h in our_logs] == [h["step"] for h in ref_logs]
+    assert_same_logs(our_logs, ref_logs, keys=("learning_rate",))
+    assert our_logs[0]["loss"] == pytest.approx(ref_logs[0]["loss"], rel=REL)
+    for a, b in zip(our_logs, ref_logs):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.02)
+        assert 0 < a["grad_norm"] < 10
+
+
+class _Overflow(transformers.TrainerCallback):
+    """Makes the final norm's output infinite during the optimizer step ``at`` (a forward hook:
+    the loss and every gradient of that step overflow)."""
+
+    def __init__(self, model, at: int) -> None:
+        self.at, self.on = at, False
+        norm = model.model.norm
+        norm.register_forward_hook(lambda m, i, out: out * float("inf") if self.on else out)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.on = state.global_step + 1 == self.at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.on = False
+
+
+def test_fp16_with_an_injected_overflow_skips_the_same_step_as_trainer(tmp_path):
+    """Plain Trainer as on a GPU with fp16 (accelerate's fp16 path: torch's GradScaler, autocast;
+    a CPU run of Trainer has no scaler, so the accelerator is given the one it makes on CUDA)
+    against RoundPipeTrainer(fp16=True): fp16 model copy, roundpipe.GradScaler."""
+    at = 4
+    # adamw_torch: with the default adamw_torch_fused, torch's GradScaler lets the fused kernel
+    # skip the update itself, accelerate does not see the skip and Trainer advances the
+    # scheduler anyway; with a non-fused optimizer Trainer does what it means to do
+    args = dict(fp16=False, eval_strategy="no", optim="adamw_torch", max_steps=10)
+    _reset_accelerate()
+    ref_model = tc.make_model("llama")
+    ref = transformers.Trainer(model=ref_model, args=tc.training_args(tmp_path / "ref", **args),
+                               train_dataset=tc.TokenData(48))
+    ref.add_callback(_Overflow(ref_model, at))
+    acc = ref.accelerator
+    acc.scaler, acc.native_amp = torch.amp.GradScaler("cpu"), True
+    acc.state._mixed_precision = "fp16"       # what Accelerator(mixed_precision="fp16") sets
+    ref.train()
+    _reset_accelerate()
+    model = tc.make_model("llama")
+    hook = _Overflow(model, at)
+    ours = RoundPipeTrainer(model=model, args=tc.training_args(tmp_path / "ours", **dict(
+                                args, fp16=True)),
+                            train_dataset=tc.TokenData(48),
+                            roundpipe_kwargs={"num_microbatch": 2, "device": "cpu"})
+    ours.add_callback(hook)
+    assert ours.model.module.dtype == torch.float16
+    ours.train()
+    ref_logs, our_logs = tc.train_logs(ref.state.log_history), tc.train_logs(ours.state.log_history)
+    print("\nfp16\n" + comparison_table(our_logs, ref_logs))
+    skipped = [h["step"] for h in ref_logs if not torch.isfinite(torch.tensor(h["grad_norm"]))]
+    assert skipped == [at]
+    assert [h["step"] for h in our_logs
+            if not torch.isfinite(torch.tensor(h["grad_norm"]))] == skipped
+    # the skipped step did not advance the scheduler, in both: the same rates at every step
+    assert_same_logs(our_logs, ref_logs, keys=("learning_rate",))
+    assert our_logs[at]["learning_rate"] == our_logs[at - 1]["learning_rate"]
+    for a, b in zip(our_logs, ref_logs):        # fp16 compute on both sides, not bit for bit
+        if a["step"] != at:
+            assert a["loss"] == pytest.approx(b["loss"], rel=5e-3)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
+    assert ours._rp_scaler.get_scale() == acc.scaler.get_scale() == 2.0 ** 15
+
+
+def test_fp16_resume_restores_the_grad_scaler(tmp_path):
+    """A checkpoint after an overflow holds the backed-off scale: the resumed run logs what the
+    uninterrupted one logged and ends with the same scale (not torch's initial 2**16)."""
+    at, kw = 3, dict(fp16=True, optim="adamw_torch", max_steps=8, eval_strategy="no",
+                     save_strategy="steps", save_steps=4)
+
+    def run(out, resume=None):
+        _reset_accelerate()
+        model = tc.make_model("llama")
+        trainer = RoundPipeTrainer(model=model, args=tc.training_args(out, **kw),
+                                   train_dataset=tc.TokenData(48),
+                                   roundpipe_kwargs={"num_microbatch": 2, "device": "cpu"})
+        trainer.add_callback(_Overflow(model, at))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    resumed = run(tmp_path / "resumed", str(tmp_path / "full" / "checkpoint-4"))
+    after = [h for h in tc.train_logs(full.state.log_history) if h["step"] > 4]
+    got = [h for h in tc.train_logs(resumed.state.log_history) if h["step"] > 4]
+    assert_same_logs(got, after)
+    assert resumed._rp_scaler.get_scale() == full._rp_scaler.get_scale() == 2.0 ** 15
