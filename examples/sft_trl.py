@@ -7,8 +7,9 @@ with a chat template is trained on it, and the demo's Qwen3-architecture model (
 ``examples/train_qwen3.py`` writes) is fine-tuned on the assistant turns
 (``assistant_only_loss``), fully or with LoRA (``--lora``). The run evaluates, checkpoints
 halfway, then shows that resuming from that checkpoint logs what the uninterrupted run logged,
-saves the model with ``save_model``, reloads it with plain transformers (and PEFT) and prints a
-sample from ``generate()``.
+saves the model with ``save_model``, prints a greedy answer from ``generate()`` through the pipeline
+(the wrapped model, KV cache on the host) and reloads the saved model with plain transformers (and
+PEFT) to show that it answers with the same tokens.
 
     python examples/sft_trl.py                     # full fine-tuning, a few minutes on a CPU
     python examples/sft_trl.py --lora              # LoRA adapters only
@@ -180,6 +181,15 @@ def main() -> None:
           f"the uninterrupted run's losses (largest relative difference {diff:.1e})")
 
     resumed.save_model(str(args.out / "model"))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What does os.path.join do?"}], add_generation_prompt=True,
+        tokenize=False)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    greedy = dict(max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    ours = resumed.model.generate(ids, **greedy)      # through the pipeline, KV cache on the host
+    answer = tokenizer.decode(ours[0, ids.shape[1]:], skip_special_tokens=True)
+    print(f"generate() through the pipeline: What does os.path.join do? -> {answer.strip()!r}")
     if args.lora:
         import peft
 
@@ -187,16 +197,11 @@ def main() -> None:
         reloaded = peft.PeftModel.from_pretrained(base, str(args.out / "model")).merge_and_unload()
     else:
         reloaded = AutoModelForCausalLM.from_pretrained(str(args.out / "model"))
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What does os.path.join do?"}], add_generation_prompt=True,
-        tokenize=False)
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    out = reloaded.generate(ids, max_new_tokens=24, do_sample=False,
-                            eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id)
-    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    print(f"reloaded {args.out / 'model'} with plain transformers{' + PEFT' if args.lora else ''}; "
-          f"generate(): What does os.path.join do? -> {answer.strip()!r}")
+    out = reloaded.generate(ids, **greedy)
+    same = out.shape == ours.shape and torch.equal(out, ours)
+    print(f"reloaded {args.out / 'model'} with plain transformers{' + PEFT' if args.lora else ''}: "
+          + ("the same greedy tokens" if same else "different tokens: " + repr(
+              tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())))
     print(f"total time {time.perf_counter() - start:.0f} s")
 
 
