@@ -34,7 +34,7 @@ from .param_copies import ParamCopies
 from .pipeline.execute import draw_call_seed, in_layer
 from .pipeline.run import Layout, Pass
 from .pipeline.stage import AutocastState, PassSpec
-from .pipeline.threads import Worker
+from .pipeline.threads import Worker, check_not_forked
 from .plan import PIN_MODES, make_stages, parse_devices, split_layers
 from .stats import Stats
 from .steps import StepReport, Steps
@@ -346,6 +346,7 @@ class RoundPipe(nn.Module):
     @contextlib.contextmanager
     def _call(self, name: str):
         """One call at a time (see the class docstring)."""
+        check_not_forked(self._workers + [self._steps.thread.worker], f"RoundPipe.{name}()")
         me = threading.current_thread()
         if (self._call_owner is me or self._steps.is_current()
                 or any(w.is_current() for w in self._workers)):
