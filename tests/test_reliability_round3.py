@@ -150,8 +150,8 @@ def test_load_checkpoint_refuses_another_optimizer_class_before_changing_anythin
     other = roundpipe.RoundPipe(_net(5), torch.float32, device="cpu", num_microbatch=2)
     before = {k: v.clone() for k, v in other.state_dict().items()}
     target = loading(other.optim_parameters(), lr=1e-3)
-    with pytest.raises(ValueError, match=f"saved by a {saved.__name__} optimizer, this one is "
-                                         f"{loading.__name__}"):
+    with pytest.raises(ValueError, match=f"another optimizer class \\({saved.__name__}\\) "
+                                         f"than this one \\({loading.__name__}\\)"):
         roundpipe.load_checkpoint(str(tmp_path / "ckpt"), other, target)
     assert not target.state and target.param_groups[0]["lr"] == 1e-3
     for k, v in other.state_dict().items():

@@ -198,8 +198,9 @@ def _check_optimizer(path: str, meta, model, optimizer: torch.optim.Optimizer,
     info = _unblob(part["optimizer"]["info"]) if has_info else {}
     saved_class, mine_class = info.get("class"), _class_name(optimizer)
     if saved_class is not None and saved_class != mine_class:
-        raise ValueError(f"{where}: the checkpoint was saved by a {saved_class} optimizer, "
-                         f"this one is {mine_class}: their states do not mean the same")
+        raise ValueError(f"{where}: the checkpoint was saved by another optimizer class "
+                         f"({saved_class}) than this one ({mine_class}); their states do not "
+                         "mean the same")
     names, index = _names(model), {id(o): i for i, o in enumerate(model._copies.optim)}
     if len(saved) != len(optimizer.param_groups):
         raise ValueError(f"{where}: the checkpoint's optimizer has {len(saved)} param groups, "
