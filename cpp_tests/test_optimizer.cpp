@@ -274,7 +274,9 @@ TEST(Optimizer, TwoThreadsSteppingOneOptimizerRunOneAfterTheOther) {
     b.join();
     for (std::size_t i = 0; i < ps.size(); ++i) {
       EXPECT_EQ(opt.state(i).scalar[roundpipe::AdamState::step], 2.0f);
-      if (round % 2 == 0) ASSERT_EQ(ps[i], ref) << "round " << round << ", param " << i;
+      if (round % 2 == 0) {
+        ASSERT_EQ(ps[i], ref) << "round " << round << ", param " << i;
+      }
     }
   }
 }
