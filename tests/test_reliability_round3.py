@@ -249,6 +249,13 @@ def _hf_model(kind: str) -> nn.Module:
         cfg = transformers.Olmo3Config(**HF_COMMON, sliding_window=4, eos_token_id=1,
                                        pad_token_id=0)
         return transformers.Olmo3ForCausalLM(cfg).float()
+    if kind == "mellum":
+        return transformers.MellumForCausalLM(
+            transformers.MellumConfig(**HF_COMMON, head_dim=8)).float()
+    if kind.startswith("mimo_v2_flash"):  # dense layers only, or its default sparse layer 1
+        layers = ["dense", "dense"] if kind == "mimo_v2_flash" else None
+        return transformers.MiMoV2FlashForCausalLM(transformers.MiMoV2FlashConfig(
+            **HF_COMMON, head_dim=8, mlp_layer_types=layers)).float()
     raise ValueError(kind)
 
 
@@ -266,10 +273,10 @@ def _grads(w) -> dict:
                            if p.grad is not None})
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "olmo3", "doge"])
+@pytest.mark.parametrize("kind", ["gemma3", "olmo3", "mellum", "mimo_v2_flash", "doge"])
 def test_layer_typed_rotary_and_doge_train_as_the_unwrapped_model(kind):
-    """Gemma 3 / Olmo 3 (a rotary embedding taking layer_type: was a TypeError inside HF at
-    the first call) and Doge (was not causal: no mask reached its attention, logits off by
+    """Gemma 3 / Olmo 3 / Mellum / MiMo-V2-Flash (a rotary embedding taking layer_type: was a
+    TypeError inside HF at the first call) and Doge (was not causal: no mask reached its attention, logits off by
     0.2): loss, gradients and logits equal the unwrapped model's."""
     model = _hf_model(kind)
     batch = _hf_batch()
@@ -288,6 +295,15 @@ def test_layer_typed_rotary_and_doge_train_as_the_unwrapped_model(kind):
     with torch.no_grad():
         out = w(**batch)
     torch.testing.assert_close(out.logits, ref.logits.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_sigmoid_moe_router_is_refused_at_wrap_time():
+    """MiMo-V2-Flash's MoE layers route with sigmoid scores, a correction bias and expert
+    groups: the recomputation's softmax weights would give other gradients (loss equal, router
+    and embedding gradients off by more than their size); refused, naming the router."""
+    model = _hf_model("mimo_v2_flash_moe")
+    with pytest.raises(TypeError, match="MoE router 'mlp.gate' .*e_score_correction_bias"):
+        roundpipe.wrap_model_to_roundpipe(model, torch.float32, device="cpu")
 
 
 def test_a_model_whose_layers_do_not_reproduce_its_logits_is_refused_at_wrap_time(monkeypatch):
