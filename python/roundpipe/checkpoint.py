@@ -253,7 +253,7 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     sd = _state(model, optimizer, _mesh(model), keys)
     sd["extra"] = io.BytesIO()
     if optimizer is not None:
-        del sd["optimizer"]["param_groups"]  # read by _check_optimizer, as "info"
+        del sd["optimizer"]["param_groups"]  # both read by _check_optimizer
         del sd["optimizer"]["info"]
     _dcp_load(sd, path, group)
     copies = model._copies  # the optimizer copies, buffers and state were loaded in place
