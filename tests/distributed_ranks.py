@@ -197,8 +197,8 @@ def main() -> None:
                     x, y = batch(step)
                     xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
                     kw = {"optimizer": opt} if mode == "exact" else {}
-                    loss = model.forward_backward(input_args=(xs,), label=ys,
-                                                  loss_fn=loss_fn_for(BATCH), **kw)
+                    loss = model.forward_backward(input_args=(xs,), label=ys, loss_fn=loss_fn,
+                                                  **kw)
                     if mode == "async":
                         model.step(opt, is_async=True)
                     # the user's collectives, on the group given to the wrapper, while the
