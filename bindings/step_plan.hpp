@@ -72,7 +72,10 @@ class StepPlan {
     for (std::size_t i = 0; i < n; ++i) {
       PyObject* p = PyList_GET_ITEM(params.ptr(), i);
       Entry& e = entries_[i];
-      if (!e.param.is(p)) e = Entry{nb::borrow(p)};
+      if (!e.param.is(p)) {
+        e = Entry{};
+        e.param = nb::borrow(p);
+      }
       nb::object grad = read(p, T.grad);
       if (grad.is_none()) continue;
       if (!(e.valid && unchanged(e))) {

@@ -132,8 +132,9 @@ void expect_mixed_precision_like_composition(const Algorithm<Options>& a, const 
                 const roundpipe::ParamBuffers u = plain.view(unscaled);
                 a.step(o, &u, 1, nullptr);
                 EXPECT_EQ(io.found_inf, inject_inf && s == steps - 1);
-                if (!io.found_inf)
+                if (!io.found_inf) {
                   EXPECT_NEAR(io.grad_norm_sq, norm_sq, 1e-5 * norm_sq + 1e-30);
+                }
               }
               expect_identical(fused, plain, "fused vs composition");
               if (cd == int(Dtype::float32)) expect_identical(copy32, plain.param, "copy");

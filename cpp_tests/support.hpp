@@ -245,8 +245,9 @@ void expect_one_call_like_separate_calls(const Algorithm<Options>& a, const Opti
     }
     for (std::size_t j = 0; j < together.size(); ++j) {
       expect_identical(together[j], apart[j], "tensor " + std::to_string(j));
-      if (a.counts_steps())
+      if (a.counts_steps()) {
         EXPECT_EQ(together[j].scalar[0], steps_before[j] + float(steps)) << "tensor " << j;
+      }
     }
   });
 }
@@ -301,9 +302,10 @@ void expect_non_finite_gradients_propagate(const Algorithm<Options>& a, const Op
     EXPECT_TRUE(std::isnan(h.param[17]));
     EXPECT_TRUE(same_bits(h.param[16], h.param[0])) << h.param[16] << " vs " << h.param[0];
     for (int k = 0; k < roundpipe::ParamBuffers::kMaxState; ++k)
-      if (!h.state[k].empty())
+      if (!h.state[k].empty()) {
         EXPECT_TRUE(same_bits(h.state[k][16], h.state[k][0]))
             << "state[" << k << "]: " << h.state[k][16] << " vs " << h.state[k][0];
+      }
     check(h);
   });
 }

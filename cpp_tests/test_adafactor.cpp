@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "mixed_precision.hpp"
@@ -360,6 +362,37 @@ TEST(Adafactor, BadArgumentsThrowBeforeAnythingChanges) {
   bad = t;
   bad.rows = bad.cols = 0;  // a vector needs variance
   expect_error({}, bad, "tensors[0].variance");
+  // One of rows and cols 0 with elements: was a division by zero (SIGFPE).
+  bad = t;
+  bad.cols = 0;
+  expect_error({}, bad, "rows (2) and cols (0)");
+  bad = t;
+  bad.rows = 0;
+  expect_error({}, bad, "rows (0) and cols (3)");
+}
+
+// The owning class refuses rows or cols 0 (with elements) when the parameter is added, naming
+// them; an empty matrix (0 x 5) stays accepted.
+TEST(Adafactor, AddParamRefusesOneOfRowsAndColsZero) {
+  std::vector<float> p(8, 1.0f), g(8, 1.0f);
+  for (auto rc : {std::pair<std::size_t, std::size_t>{4, 0}, {0, 4}}) {
+    roundpipe::Adafactor opt;
+    try {
+      opt.add_param({p.data(), nullptr, g.data(), nullptr, p.size(), rc.first, rc.second});
+      ADD_FAILURE() << "no error for rows " << rc.first << ", cols " << rc.second;
+    } catch (const roundpipe::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("rows (" + std::to_string(rc.first) + ") and cols (" +
+                                           std::to_string(rc.second) + ")"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(opt.num_params(), 0u);
+  }
+  roundpipe::Adafactor empty;
+  empty.add_param({p.data(), nullptr, g.data(), nullptr, 0, 0, 5});
+  empty.step();
+  EXPECT_EQ(empty.state(0).scalar[0], 1.0f);
+  EXPECT_EQ(p, std::vector<float>(8, 1.0f));
 }
 
 }  // namespace

@@ -2,9 +2,11 @@
 // exact checkpoint/resume, option changes between steps, and argument errors.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "roundpipe/optim.hpp"
@@ -205,3 +207,78 @@ TEST(Optimizer, SgdWithBf16ParametersDrawsNewBitsEveryStep) {
   EXPECT_NEAR(mean / n, 1.0 - 64 * o.lr, 0.05 * 64 * o.lr);
   EXPECT_EQ(opt.state(0).rounding_steps, 64u);
 }
+
+namespace {
+
+// A refused step (an option out of range) modifies nothing: no state is created and the rounding
+// counter does not advance, so the following steps equal those of an optimizer never refused.
+TEST(Optimizer, ARefusedStepChangesNothing) {
+  const std::size_t n = 4096;
+  std::mt19937 rng(5);
+  const std::vector<float> g = rptest::randn(n, rng);
+  std::vector<std::uint16_t> p(n, 0x3f80), q(n, 0x3f80);
+  roundpipe::SGDOptions o;
+  o.lr = 1e-3;
+  o.momentum = 0.9;
+  roundpipe::SGD refused(o), plain(o);
+  refused.set_state_format(roundpipe::StateFormat::bfloat16);
+  plain.set_state_format(roundpipe::StateFormat::bfloat16);
+  refused.add_param({nullptr, p.data(), g.data(), nullptr, n});
+  plain.add_param({nullptr, q.data(), g.data(), nullptr, n});
+  refused.options().lr = -1;
+  EXPECT_THROW(refused.step(), roundpipe::Error);
+  EXPECT_EQ(refused.state(0).rounding_steps, 0u);
+  EXPECT_EQ(refused.state(0).size(roundpipe::SGDState::momentum_buffer), 0u);
+  EXPECT_EQ(p, q);
+  refused.options().lr = 1e-3;
+  for (int s = 0; s < 3; ++s) {
+    refused.step();
+    plain.step();
+  }
+  EXPECT_EQ(p, q);
+  EXPECT_EQ(refused.state_values(0, roundpipe::SGDState::momentum_buffer),
+            plain.state_values(0, roundpipe::SGDState::momentum_buffer));
+  EXPECT_EQ(refused.state(0).rounding_steps, 3u);
+}
+
+// Two threads stepping one optimizer from its first step (state created by the step): the
+// steps run one after the other, as two steps on one thread (was a crash: state created twice
+// concurrently). Large parameters (their state takes a while to create) and a common start
+// make the overlap near-certain without the lock.
+TEST(Optimizer, TwoThreadsSteppingOneOptimizerRunOneAfterTheOther) {
+  std::mt19937 rng(6);
+  const std::size_t n = std::size_t{1} << 20;
+  const std::vector<float> p0 = rptest::randn(n, rng), g = rptest::randn(n, rng);
+  roundpipe::AdamOptions o;
+  o.lr = 1e-2;
+  std::vector<float> ref = p0;
+  roundpipe::Adam sequential(o);
+  sequential.add_param(ref.data(), g.data(), n);
+  sequential.step();
+  sequential.step();
+  for (int round = 0; round < 12; ++round) {
+    std::vector<std::vector<float>> ps(3, p0);
+    roundpipe::Adam opt(o);
+    opt.set_state_format(round % 2 ? roundpipe::StateFormat::bfloat16
+                                   : roundpipe::StateFormat::float32);
+    for (auto& p : ps) opt.add_param(p.data(), g.data(), n);
+    std::atomic<int> ready{0};
+    auto run = [&] {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      opt.step();
+    };
+    std::thread a(run), b(run);
+    a.join();
+    b.join();
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      EXPECT_EQ(opt.state(i).scalar[roundpipe::AdamState::step], 2.0f);
+      if (round % 2 == 0) {
+        ASSERT_EQ(ps[i], ref) << "round " << round << ", param " << i;
+      }
+    }
+  }
+}
+
+}  // namespace

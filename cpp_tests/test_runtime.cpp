@@ -14,7 +14,9 @@ TEST(Runtime, ScalarIsAlwaysSupportedAndTheDefaultIsTheWidest) {
   const auto isas = roundpipe::supported_isas();
   ASSERT_FALSE(isas.empty());
   EXPECT_EQ(isas.front(), roundpipe::Isa::scalar);
-  if (!std::getenv("ROUNDPIPE_ISA")) EXPECT_EQ(roundpipe::active_isa(), isas.back());
+  if (!std::getenv("ROUNDPIPE_ISA")) {
+    EXPECT_EQ(roundpipe::active_isa(), isas.back());
+  }
 #if defined(__aarch64__)
   EXPECT_EQ(isas.back(), roundpipe::Isa::neon);
 #endif

@@ -9,7 +9,10 @@ an equal clone after the first step — replicated and sharded, results saved pe
 ``save`` (train, then a DCP checkpoint), ``save_int8`` (the same with int8 optimizer state,
 sharded), ``adafactor_sharded`` (Adafactor refused with sharded copies), ``resume`` (load a
 DCP checkpoint, train on), ``fail`` (rank 1 raises in its loss_fn in the second step),
-``memory`` (peak host bytes per parameter, sharded, exact mode).
+``memory`` (peak host bytes per parameter, sharded, exact mode), ``user_collectives`` (the
+user's own collectives on the wrapper's group during asynchronous steps and exact mode:
+an all-reduced loss for logging and ``roundpipe.global_num_items``), ``settings SETTING``
+(rank 1 wraps with another value of SETTING: each rank records the error it gets).
 """
 
 from __future__ import annotations
@@ -184,6 +187,46 @@ def main() -> None:
         unchanged = all(torch.equal(p, b) for p, b in zip(model.module.parameters(), before))
         with open(f"{out}/adafactor-{rank}.json", "w") as f:
             json.dump({"messages": messages, "unchanged": unchanged}, f)
+    elif case == "user_collectives":
+        logs = {}
+        for shard in (False, True):
+            for mode in ("async", "exact"):
+                model, opt = wrap(shard, rank)
+                log = []
+                for step in range(STEPS):
+                    x, y = batch(step)
+                    xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
+                    kw = {"optimizer": opt} if mode == "exact" else {}
+                    loss = model.forward_backward(input_args=(xs,), label=ys, loss_fn=loss_fn,
+                                                  **kw)
+                    if mode == "async":
+                        model.step(opt, is_async=True)
+                    # the user's collectives, on the group given to the wrapper, while the
+                    # optimizer thread may be in its own
+                    total = loss.detach().clone()
+                    dist.all_reduce(total, group=dist.group.WORLD)
+                    tokens = roundpipe.global_num_items(torch.ones(2, 5, dtype=torch.long))
+                    log.append([float(total), tokens])
+                model.synchronize()
+                logs[f"{mode}-{int(shard)}"] = log
+                sd = model.state_dict()
+                if rank == 0:
+                    torch.save(sd, f"{out}/user-{mode}-{int(shard)}.pt")
+        with open(f"{out}/user-logs-{rank}.json", "w") as f:
+            json.dump(logs, f)
+    elif case == "settings":
+        setting = sys.argv[3]
+        kwargs = {"shard_optimizer": (False, True), "layers_per_stage": (1, 2),
+                  "grad_reduction": ("sum", "mean"), "optim_dtype": (None, torch.float32)}
+        kw = {setting: kwargs[setting][min(rank, 1)]}
+        kw.setdefault("grad_reduction", "sum")
+        try:
+            roundpipe.RoundPipe(build(), process_group=dist.group.WORLD, **kw)
+            message = "constructed"
+        except ValueError as e:
+            message = str(e)
+        with open(f"{out}/settings-{rank}.json", "w") as f:
+            json.dump({"message": message}, f)
     elif case == "memory":
         print(memory_per_parameter(), flush=True)
     elif case == "fail":

@@ -40,11 +40,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(case: str, world: int, out, *args: str, timeout: float = 300) -> list:
-    """Starts ``world`` ranks of ``case``; returns their (returncode, stderr), failing the
-    test if any is still running after ``timeout`` seconds (all are killed)."""
+def launch(case: str, world: int, out, *args: str, timeout: float = 300,
+           env: dict | None = None) -> list:
+    """Starts ``world`` ranks of ``case`` (``env``: more environment variables); returns their
+    (returncode, stderr), failing the test if any is still running after ``timeout`` seconds
+    (all are killed)."""
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_port()), OMP_NUM_THREADS="1")
+               MASTER_PORT=str(_port()), OMP_NUM_THREADS="1", **(env or {}))
     procs = [subprocess.Popen([sys.executable, RANKS, case, str(out), *args],
                               env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]
@@ -168,3 +170,43 @@ def test_adafactor_is_refused_when_the_optimizer_copies_are_sharded(tmp_path):
         assert got["unchanged"]
         assert len(got["messages"]) == 4
         assert all("shard_optimizer=False" in m for m in got["messages"]), got["messages"]
+
+
+def test_the_users_own_collectives_on_the_group_during_optimizer_work(tmp_path):
+    """An all-reduce of the loss for logging and roundpipe.global_num_items on the group the
+    wrapper was given, while an asynchronous step or exact mode has the optimizer thread in
+    its collectives: RoundPipe's run on a group of their own, so neither aborts (gloo's
+    "collective mismatch") nor times out; every rank logs the same values and the weights are
+    plain PyTorch's."""
+    for rc, err in launch("user_collectives", 2, tmp_path, timeout=240):
+        assert rc == 0, err[-3000:]
+    logs = [json.loads((tmp_path / f"user-logs-{r}.json").read_text()) for r in range(2)]
+    assert logs[0] == logs[1]
+    for key, log in logs[0].items():
+        assert [n for _, n in log] == [16] * dr.STEPS, key  # 2 ranks x 2 rows x 4 targets
+    for mode in ("async", "exact"):
+        ref = reference(mode)
+        for shard in (0, 1):
+            _close(torch.load(tmp_path / f"user-{mode}-{shard}.pt"), ref)
+
+
+@pytest.mark.parametrize("setting", ["shard_optimizer", "layers_per_stage", "grad_reduction",
+                                     "optim_dtype"])
+def test_ranks_wrapping_with_different_settings_are_refused_naming_the_setting(tmp_path,
+                                                                               setting):
+    """Was: SIGABRT (shard_optimizer), a timeout (layers_per_stage), or silently different
+    weights per rank (grad_reduction, optim_dtype). Now a ValueError on every rank at
+    construction, naming the setting."""
+    for rc, err in launch("settings", 2, tmp_path, setting, timeout=120):
+        assert rc == 0, err[-3000:]
+    for r in range(2):
+        message = json.loads((tmp_path / f"settings-{r}.json").read_text())["message"]
+        assert f"different {setting}" in message, message
+
+
+def test_a_two_rank_run_issues_no_future_warning(tmp_path):
+    """As ``python -W error::FutureWarning``: the collectives RoundPipe calls are not
+    deprecated ones (reduce_scatter_tensor / all_gather_into_tensor warned on every call)."""
+    for rc, err in launch("train", 2, tmp_path, "step,async,exact",
+                          env={"PYTHONWARNINGS": "error::FutureWarning"}):
+        assert rc == 0, err[-3000:]

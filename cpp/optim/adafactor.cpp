@@ -31,6 +31,10 @@ constexpr std::size_t kFlushRows = 32;                // float column sums added
 
 // One pass-1 task.
 struct Task {
+  Task(std::size_t tensor_, std::size_t b0_, std::size_t b1_, std::size_t r0_, std::size_t r1_,
+       std::size_t c0_, std::size_t c1_, bool whole_)
+      : tensor(tensor_), b0(b0_), b1(b1_), r0(r0_), r1(r1_), c0(c0_), c1(c1_), whole(whole_) {}
+
   std::size_t tensor;
   // factored: matrices [b0, b1) whole, or one matrix's rows [r0, r1) x columns [c0, c1);
   // unfactored: elements [c0, c1)
@@ -57,10 +61,13 @@ struct Tensor {
 // Elements [begin, begin + n) of t's gradient and parameter as float32 pointers (staged in
 // `grad` / `param` when 16-bit or scaled), and the slice of t they form (element 0 = begin).
 struct Staging {
+  Staging(const KernelTable& isa_, float inv_scale_, float clip_, bool norm_, bool stage_grad_)
+      : isa(isa_), inv_scale(inv_scale_), clip(clip_), norm(norm_), stage_grad(stage_grad_) {}
+
   const KernelTable& isa;
   float inv_scale, clip;
   bool norm, stage_grad;
-  alignas(64) float grad[detail::kStageElements];
+  alignas(64) float grad[detail::kStageElements];   // scratch: written before it is read
   alignas(64) float param[detail::kStageElements];
 
   ParamBuffers slice(const ParamBuffers& t, std::size_t begin, std::size_t n,
@@ -109,6 +116,10 @@ void check(const AdafactorOptions& o, const ParamBuffers* tensors, std::size_t c
         throw Error(at + ": compact state is not supported by Adafactor (its factored state "
                     "is small already)");
     const bool factored = t.rows != 0 || t.cols != 0;
+    if (factored && t.numel != 0 && (t.rows == 0 || t.cols == 0))
+      throw Error(at + ": rows (" + std::to_string(t.rows) + ") and cols (" +
+                  std::to_string(t.cols) + ") must both be nonzero for a tensor of " +
+                  std::to_string(t.numel) + " elements (or both 0: unfactored)");
     if (factored && t.rows * t.cols != 0 && t.numel % (t.rows * t.cols) != 0)
       throw Error(at + ": rows * cols (" + std::to_string(t.rows) + " * " +
                   std::to_string(t.cols) + ") does not divide numel " + std::to_string(t.numel));

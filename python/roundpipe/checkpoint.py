@@ -85,8 +85,30 @@ def _state(model, optimizer, mesh, template_keys: Optional[dict] = None) -> dict
                 state[names[i]] = {k: (_wrap(model, i, v, mesh) if torch.is_tensor(v)
                                        and v.shape == p.shape and v.dim() > 0 else v)
                                    for k, v in st.items()}
-        sd["optimizer"] = {"state": state, "param_groups": _blob(groups)}
+        sd["optimizer"] = {"state": state, "param_groups": _blob(groups),
+                           "info": _blob(_info(optimizer))}
     return sd
+
+
+def _class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The algorithm of ``optimizer``: the name of the first class in its MRO defined by
+    ``torch.optim`` or ``roundpipe.optim`` (so ``torch.optim.Adam`` and
+    ``roundpipe.optim.Adam``, or a user's subclass of either, are one algorithm)."""
+    for cls in type(optimizer).__mro__:
+        module = cls.__module__ or ""
+        if module.startswith(("torch.optim", "roundpipe.optim")):
+            return cls.__name__
+    return type(optimizer).__name__
+
+
+def _info(optimizer: torch.optim.Optimizer) -> dict:
+    """What a checkpoint keeps about the optimizer beside its state: its algorithm and, for a
+    ``roundpipe.optim`` optimizer, its count of rounding kernel calls (SGD's rounding bits
+    depend on it, see ``CpuOptimizer.state_dict``)."""
+    info = {"class": _class_name(optimizer)}
+    if isinstance(optimizer, CpuOptimizer):
+        info["rounding_calls"] = optimizer._memory.calls
+    return info
 
 
 def _portable(optimizer: torch.optim.Optimizer, st: dict) -> dict:
@@ -153,10 +175,11 @@ def _dcp_load(sd: dict, path: str, group) -> None:
 
 
 def _check_optimizer(path: str, meta, model, optimizer: torch.optim.Optimizer,
-                     group) -> list[dict]:
+                     group) -> tuple[list[dict], dict]:
     """What would make loading into ``optimizer`` fail or go wrong halfway, checked from the
-    checkpoint's metadata and saved param groups before anything is loaded; returns the saved
-    param groups."""
+    checkpoint's metadata, saved param groups and optimizer class before anything is loaded;
+    returns the saved param groups and the saved ``info`` (:func:`_info`; empty for older
+    checkpoints)."""
     where = "roundpipe.load_checkpoint"
     if "optimizer.param_groups" not in meta.state_dict_metadata:
         raise ValueError(f"{where}: {path!r} holds no optimizer state (saved without one)")
@@ -167,8 +190,17 @@ def _check_optimizer(path: str, meta, model, optimizer: torch.optim.Optimizer,
                         "roundpipe.optim optimizers load (with any state_dtype), not "
                         f"{type(optimizer).__name__}")
     part = {"optimizer": {"param_groups": io.BytesIO()}}
+    has_info = "optimizer.info" in meta.state_dict_metadata  # not in older checkpoints
+    if has_info:
+        part["optimizer"]["info"] = io.BytesIO()
     _dcp_load(part, path, group)
     saved = _unblob(part["optimizer"]["param_groups"])
+    info = _unblob(part["optimizer"]["info"]) if has_info else {}
+    saved_class, mine_class = info.get("class"), _class_name(optimizer)
+    if saved_class is not None and saved_class != mine_class:
+        raise ValueError(f"{where}: the checkpoint was saved by another optimizer class "
+                         f"({saved_class}) than this one ({mine_class}); their states do not "
+                         "mean the same")
     names, index = _names(model), {id(o): i for i, o in enumerate(model._copies.optim)}
     if len(saved) != len(optimizer.param_groups):
         raise ValueError(f"{where}: the checkpoint's optimizer has {len(saved)} param groups, "
@@ -184,7 +216,7 @@ def _check_optimizer(path: str, meta, model, optimizer: torch.optim.Optimizer,
                 f"{where}: param group {k} of the checkpoint lacks the hyperparameters "
                 f"{missing} of {type(optimizer).__name__}: was it saved by another optimizer "
                 "class?")
-    return saved
+    return saved, info
 
 
 def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
@@ -194,9 +226,10 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     weights (rounded to the model dtype), the optimizer its state and hyperparameters.
 
     Raises:
-        ValueError: (before anything changes) the optimizer's param groups differ from the
-            checkpoint's in number, parameters or hyperparameter names (another optimizer
-            class), or the checkpoint holds no optimizer.
+        ValueError: (before anything changes) the checkpoint was saved by another optimizer
+            class (``torch.optim.X`` and ``roundpipe.optim.X`` count as one), the optimizer's
+            param groups differ from the checkpoint's in number, parameters or
+            hyperparameter names, or the checkpoint holds no optimizer.
         TypeError: (before anything changes) the checkpoint holds int8 optimizer state and
             ``optimizer`` is not a ``roundpipe.optim`` optimizer.
         KeyError / RuntimeError (from DCP): the checkpoint does not hold this model's names.
@@ -204,8 +237,8 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     model.synchronize()
     meta = dcp.FileSystemReader(path).read_metadata()
     group = model.process_group
-    saved_groups = None if optimizer is None else _check_optimizer(path, meta, model, optimizer,
-                                                                   group)
+    saved_groups, info = (None, {}) if optimizer is None else _check_optimizer(
+        path, meta, model, optimizer, group)
     trainable = {name: copies_i for copies_i, name in _names(model).items()}
     keys: dict[str, dict[str, tuple]] = {}  # name -> key -> (shape or "param", dtype)
     for fqn, m in meta.state_dict_metadata.items():
@@ -220,7 +253,8 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     sd = _state(model, optimizer, _mesh(model), keys)
     sd["extra"] = io.BytesIO()
     if optimizer is not None:
-        del sd["optimizer"]["param_groups"]  # read by _check_optimizer
+        del sd["optimizer"]["param_groups"]  # both read by _check_optimizer
+        del sd["optimizer"]["info"]
     _dcp_load(sd, path, group)
     copies = model._copies  # the optimizer copies, buffers and state were loaded in place
     for i in range(len(copies.model)):
@@ -243,4 +277,6 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
             for k, v in saved.items():
                 if k != "params":
                     g[k] = v
+        if isinstance(optimizer, CpuOptimizer) and "rounding_calls" in info:
+            optimizer._memory.calls = int(info["rounding_calls"])
     return _unblob(sd["extra"])

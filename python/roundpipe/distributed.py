@@ -36,6 +36,11 @@ from .stats import Stats
 REDUCTIONS = ("mean", "sum")
 PIECE = 1 << 20  # elements per rank in one collective
 
+# torch 2.13 deprecates reduce_scatter_tensor / all_gather_into_tensor (a FutureWarning per call)
+# for these names, the same collectives; older torch has only the former.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def _chunk_rows(rows: int, n: int, r: int) -> tuple[int, int]:
     """Rank ``r``'s rows ``[a, b)`` of ``rows`` split in ``n`` as ``torch.chunk`` splits them."""
@@ -71,16 +76,34 @@ class Comm:
         self.user_group, self.rank, self.size = group, rank, dist.get_world_size(group)
         self.mean, self.shard, self.stats = reduction == "mean", shard, stats
         self.backend = dist.get_backend(group)
-        # the gradients are reduced on the host: through gloo (a gloo group over the same
-        # ranks when the given one is NCCL; every rank creates it here, in the same order)
-        self.group = group if self.backend == "gloo" else dist.new_group(
-            dist.get_process_group_ranks(group), backend="gloo")
+        # RoundPipe's collectives run on a gloo group of their own over the same ranks (every
+        # rank of the group creates it here, in the same order): the gradients are reduced on
+        # the host, and the user's own collectives on ``group`` (logging an all-reduced loss,
+        # global_num_items) never interleave with the optimizer thread's.
+        self.group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                    use_local_synchronization=True)
 
     # --- construction --------------------------------------------------------------------------
 
-    def check_and_broadcast(self, module: nn.Module) -> None:
-        """Every rank wraps the same architecture (names, shapes, dtypes compared; a clear
-        error otherwise) and starts from rank 0's parameters and buffers (as DDP)."""
+    def check_and_broadcast(self, module: nn.Module, settings: Optional[dict] = None) -> None:
+        """Every rank wraps the same architecture (names, shapes, dtypes compared) with the
+        same settings (``shard_optimizer``, ``grad_reduction`` and each entry of ``settings``,
+        e.g. ``optim_dtype``, ``layers_per_stage``: values compared by their ``repr``), and
+        starts from rank 0's parameters and buffers (as DDP).
+
+        Raises:
+            ValueError: on every rank, naming the first setting that differs (with each rank's
+                value), or saying that the models differ.
+        """
+        mine = {"shard_optimizer": self.shard, "grad_reduction": "mean" if self.mean else "sum"}
+        mine.update({k: repr(v) for k, v in (settings or {}).items()})
+        every: list = [None] * self.size
+        dist.all_gather_object(every, mine, group=self.group)
+        for key in mine:
+            values = [theirs.get(key) for theirs in every]
+            if any(v != values[0] for v in values):
+                raise ValueError(f"RoundPipe: the ranks of process_group wrap with different "
+                                 f"{key} (per rank: {values}); every rank must pass the same")
         desc = [(n, tuple(t.shape), str(t.dtype), t.requires_grad)
                 for n, t in list(module.named_parameters()) + list(module.named_buffers())]
         digest = hashlib.sha256(repr(desc).encode()).hexdigest()
@@ -163,7 +186,7 @@ class Comm:
                         dst[:n].copy_(flat[start:stop])
                     if n < q:
                         dst[n:].zero_()
-                self._timed(dist.reduce_scatter_tensor, mine[lo:lo + q], send, group=self.group)
+                self._timed(_reduce_scatter, mine[lo:lo + q], send, group=self.group)
                 pool.give(send)
             out.append(mine[:(b - a) * w].view(b - a, *shape[1:]))
         return out
@@ -184,7 +207,7 @@ class Comm:
                 if stop > start:
                     mine[:stop - start].copy_(flat[start:stop])
                 gathered = torch.empty(self.size * q, dtype=p.dtype)
-                self._timed(dist.all_gather_into_tensor, gathered, mine, group=self.group)
+                self._timed(_all_gather, gathered, mine, group=self.group)
                 with torch.no_grad():
                     for r in range(self.size):
                         start, stop = r * seg + lo, min(r * seg + lo + q, p.shape[0] * w)

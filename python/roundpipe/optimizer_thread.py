@@ -13,7 +13,7 @@ import concurrent.futures as cf
 import threading
 from typing import Any, Callable, Iterable, Optional
 
-from .pipeline.threads import LayerGates, Worker
+from .pipeline.threads import LayerGates, Worker, check_not_forked
 
 Job = Callable[[Callable[[int], None]], Any]
 
@@ -88,7 +88,10 @@ class OptimizerThread:
         """Waits for the queued work (or ``futures``); nothing to wait for on the thread itself."""
         if self.is_current():
             return
-        cf.wait(self.pending() if futures is None else futures)
+        futures = self.pending() if futures is None else futures
+        if not all(f.done() for f in futures):  # in a fork()-ed child they never would be
+            check_not_forked([self.worker], "RoundPipe (waiting for its optimizer work)")
+        cf.wait(futures)
 
     def raise_error(self) -> None:
         """Raises the first error of the background work once all of it queued so far has

@@ -34,7 +34,7 @@ from .param_copies import ParamCopies
 from .pipeline.execute import draw_call_seed, in_layer
 from .pipeline.run import Layout, Pass
 from .pipeline.stage import AutocastState, PassSpec
-from .pipeline.threads import Worker
+from .pipeline.threads import Worker, check_not_forked
 from .plan import PIN_MODES, make_stages, parse_devices, split_layers
 from .stats import Stats
 from .steps import StepReport, Steps
@@ -123,7 +123,9 @@ class RoundPipe(nn.Module):
             list, names an unsupported device type or mixes CPU and CUDA, ``pin_memory`` is
             not one of the modes, ``max_resident_bytes`` < 0, ``layers`` is empty or holds a
             tensor that is not ``model``'s, ``shard_optimizer`` without ``process_group``,
-            ``grad_reduction`` not "mean"/"sum", or the ranks wrap different models.
+            ``grad_reduction`` not "mean"/"sum", or the ranks wrap different models or with
+            different ``shard_optimizer``, ``grad_reduction``, ``optim_dtype``,
+            ``layers_per_stage`` or numbers of ``layers`` (the message names the setting).
         TypeError: ``model`` or an entry of ``layers`` is not a module, a ``device`` entry is
             not a str or device, ``prefetch`` or ``shard_optimizer`` is not a bool.
         RuntimeError: ``process_group`` without torch.distributed initialised, or this process
@@ -167,7 +169,9 @@ class RoundPipe(nn.Module):
         self._comm = None
         if process_group is not None:
             self._comm = Comm(process_group, grad_reduction, shard_optimizer, Stats())
-            self._comm.check_and_broadcast(model)
+            self._comm.check_and_broadcast(model, {  # the settings every rank must share
+                "optim_dtype": optim_dtype, "layers_per_stage": layers_per_stage,
+                "layers": None if layers is None else len(layers)})
         elif grad_reduction not in REDUCTIONS:
             raise ValueError(f"RoundPipe: grad_reduction must be one of {REDUCTIONS}, got "
                              f"{grad_reduction!r}")
@@ -346,6 +350,7 @@ class RoundPipe(nn.Module):
     @contextlib.contextmanager
     def _call(self, name: str):
         """One call at a time (see the class docstring)."""
+        check_not_forked(self._workers + [self._steps.thread.worker], f"RoundPipe.{name}()")
         me = threading.current_thread()
         if (self._call_owner is me or self._steps.is_current()
                 or any(w.is_current() for w in self._workers)):

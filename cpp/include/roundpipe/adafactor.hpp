@@ -80,8 +80,9 @@ struct AdafactorState {
 /// ZeroDivisionError dividing by its size). bfloat16 parameters and the fused mixed-precision
 /// pass (StepIO, grad16, model_copy) are supported as in every step function; compact state is
 /// not (the factored state is already small). Throws roundpipe::Error naming the option or
-/// `tensors[i].<slot>` when an option is out of range, a required pointer is null or a tensor's
-/// rows * cols does not divide its numel; nothing is modified then.
+/// `tensors[i].<slot>` when an option is out of range, a required pointer is null, a tensor with
+/// elements has one of rows and cols 0 but not both, or its rows * cols does not divide its
+/// numel; nothing is modified then.
 void adafactor_step(const AdafactorOptions& options, const ParamBuffers* tensors,
                     std::size_t count, StepIO* io = nullptr);
 

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -79,6 +80,7 @@ class Optimizer {
   /// is used. State is created on the first step() as torch does. Returns the parameter's index.
   /// Throws roundpipe::Error for a null pointer with numel > 0.
   std::size_t add_param(float* param, const float* grad, std::size_t numel) {
+    std::lock_guard<std::mutex> lock(mutex_.m);
     return add(param, nullptr, grad, nullptr, numel);
   }
 
@@ -96,13 +98,20 @@ class Optimizer {
   };
 
   /// As add_param(param, grad, numel), with a bfloat16 parameter or gradient allowed. Throws
-  /// roundpipe::Error unless exactly one parameter and one gradient array are given (numel > 0).
+  /// roundpipe::Error unless exactly one parameter and one gradient array are given (numel > 0),
+  /// or when rows and cols are given (either nonzero) with numel > 0 and one of them is 0 or
+  /// rows * cols does not divide numel.
   std::size_t add_param(const ParamArrays& a) {
     if (a.numel != 0 && ((a.param && a.param_bf16) || (a.grad && a.grad_bf16)))
       throw Error(std::string(Traits::name) + "::add_param: give one parameter array and one "
                   "gradient array");
+    if ((a.rows || a.cols) && a.numel != 0 && (a.rows == 0 || a.cols == 0))
+      throw Error(std::string(Traits::name) + "::add_param: rows (" + std::to_string(a.rows) +
+                  ") and cols (" + std::to_string(a.cols) + ") must both be nonzero for a "
+                  "parameter of " + std::to_string(a.numel) + " elements (or both 0: a vector)");
     if ((a.rows || a.cols) && a.rows * a.cols != 0 && a.numel % (a.rows * a.cols) != 0)
       throw Error(std::string(Traits::name) + "::add_param: rows * cols does not divide numel");
+    std::lock_guard<std::mutex> lock(mutex_.m);
     const std::size_t i = add(a.param, a.param_bf16, a.grad, a.grad_bf16, a.numel);
     params_[i].rows = a.rows;
     params_[i].cols = a.cols;
@@ -120,6 +129,7 @@ class Optimizer {
     if (format != StateFormat::float32 && format != StateFormat::bfloat16 &&
         format != StateFormat::int8)
       throw Error(std::string(Traits::name) + "::set_state_format: not a StateFormat");
+    std::lock_guard<std::mutex> lock(mutex_.m);
     format_ = format;
     for (std::size_t i = 0; i < params_.size(); ++i)
       for (int k = 0; k < ParamBuffers::kMaxState; ++k)
@@ -132,8 +142,14 @@ class Optimizer {
   std::uint64_t seed() const { return seed_; }
 
   /// One optimization step over all parameters (their grads as they are now). Throws
-  /// roundpipe::Error for an out-of-range option; nothing is modified then.
+  /// roundpipe::Error for an out-of-range option; nothing is modified then (no state is
+  /// created, no rounding counter advances). Steps called from several threads on one
+  /// optimizer run one after the other (so do add_param, set_state_format and load_state).
   void step() {
+    std::lock_guard<std::mutex> lock(mutex_.m);
+    // The options first, with no tensors: the step function checks them before anything else,
+    // so a refused step leaves the state as it was.
+    Traits::step(options_, nullptr, 0);
     std::vector<ParamBuffers> buffers(params_.size());
     for (std::size_t i = 0; i < params_.size(); ++i) {
       Param& p = params_[i];
@@ -181,6 +197,7 @@ class Optimizer {
   /// Replaces parameter i's state, e.g. from a checkpoint. Every array the options use must
   /// hold numel elements. Throws roundpipe::Error otherwise, before changing anything.
   void load_state(std::size_t i, const ParamState& s) {
+    std::lock_guard<std::mutex> lock(mutex_.m);
     Param& p = at(i);
     for (int k = 0; k < ParamBuffers::kMaxState; ++k) {
       const bool bad_format = s.format[k] == StateFormat::int8
@@ -354,7 +371,16 @@ class Optimizer {
       if (!p.state.state[k].empty()) convert(i, k, format_for(p.numel));
   }
 
+  // A mutex that copies and moves as a new one (the optimizer stays copyable).
+  struct Mutex {
+    std::mutex m;
+    Mutex() = default;
+    Mutex(const Mutex&) {}
+    Mutex& operator=(const Mutex&) { return *this; }
+  };
+
   Options options_;
+  mutable Mutex mutex_;
   StateFormat format_ = StateFormat::float32;
   std::uint64_t seed_ = 0;
   int num_threads_ = 0;  // 0: roundpipe::num_threads()

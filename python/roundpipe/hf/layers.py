@@ -23,6 +23,9 @@ logits_to_keep int, 1D tensor or None (absent: 0)  as transformers' ``logits_to_
                                                    no logits (a prefill chunk before the last)
 ============== =================================== ==========================================
 
+A model whose rotary embedding takes a ``layer_type`` (Gemma 3, Olmo 3) gets ``cos.<type>`` and
+``sin.<type>`` for each of its layer types instead of ``cos`` and ``sin``.
+
 Bytes per layer and microbatch, host <-> device, besides the hidden state ``2·B·S·H`` (bf16):
 the 2D mask, positions and labels (``8·S`` to ``8·B·S`` each) and cos/sin (``4·S·head_dim`` for
 the default positions) — a few percent of the hidden state for real sizes. Two choices keep it so:
@@ -62,10 +65,13 @@ class Prefix(nn.Module):
     """Layer 0: token embeddings, position ids, rotary cos/sin (once per microbatch), shifted
     labels. Takes the keyword arguments of HF's ``ForCausalLM.forward`` that RoundPipe supports."""
 
-    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module) -> None:
+    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module,
+                 rope_types: Optional[list] = None) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
+        # the layer types the rotary embedding is computed for (None: one for every layer)
+        self.rope_types = None if rope_types is None else sorted(set(rope_types))
 
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -79,10 +85,15 @@ class Prefix(nn.Module):
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        cos, sin = self.rotary_emb(hidden, position_ids)
+        rope = {}
+        for kind in self.rope_types or [None]:
+            cos, sin = (self.rotary_emb(hidden, position_ids) if kind is None
+                        else self.rotary_emb(hidden, position_ids, kind))
+            suffix = "" if kind is None else "." + kind
+            rope["cos" + suffix], rope["sin" + suffix] = _as_bits(cos), _as_bits(sin)
         state = {"hidden": hidden, "position_ids": position_ids, "attention_mask": attention_mask,
                  "labels": None if labels is None else shift_labels(labels),
-                 "cos": _as_bits(cos), "sin": _as_bits(sin), "rope_dtype": cos.dtype}
+                 **rope, "rope_dtype": cos.dtype}
         if kv is not None:
             state["kv"] = kv
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
@@ -96,10 +107,12 @@ class Decoder(nn.Module):
     when the state carries a KV cache (generation), with its layer's view of it as ``cache``.
     ``index``: the layer's position among the decoder layers (its KV cache layer);
     ``sliding_window``: its window (None for full attention), read from the config when
-    ``mask_fn`` is HF's sliding-window mask function."""
+    ``mask_fn`` is HF's sliding-window mask function; ``rope_type``: the layer type whose
+    cos/sin it reads (``cos.<type>``) when the rotary embedding takes one, else None."""
 
     def __init__(self, layer: nn.Module, config: Any, mask_fn: Callable,
-                 routing: Optional["RoutingState"] = None, index: int = 0) -> None:
+                 routing: Optional["RoutingState"] = None, index: int = 0,
+                 rope_type: Optional[str] = None) -> None:
         super().__init__()
         import inspect
 
@@ -116,6 +129,7 @@ class Decoder(nn.Module):
         self.sliding_window = getattr(config, "sliding_window", None) if sliding else None
         params = inspect.signature(layer.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.rope_suffix = "" if rope_type is None else "." + rope_type
 
     def forward(self, state: dict) -> dict:
         hidden = state["hidden"]
@@ -125,7 +139,8 @@ class Decoder(nn.Module):
         mask = self.mask_fn(self.config, hidden, state["attention_mask"], cache,
                             state["position_ids"])
         dtype = state["rope_dtype"]
-        rope = (state["cos"].view(dtype), state["sin"].view(dtype))
+        rope = (state["cos" + self.rope_suffix].view(dtype),
+                state["sin" + self.rope_suffix].view(dtype))
         # generation passes (a cache, or logits_to_keep as generate passes it) keep no routing
         # for a recomputation and sum none for the auxiliary loss
         if self.routing is None or cache is not None or "logits_to_keep" in state:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -11,7 +12,7 @@ from ..wrapper import RoundPipe
 from . import moe, save
 from .layers import Decoder, Postfix, Prefix, RoutingState
 from .loss import count_items
-from .wrap import Parts, disable_gradient_checkpointing
+from .wrap import Parts, check_logits, disable_gradient_checkpointing
 
 # keyword arguments of HF's ForCausalLM.forward that the wrapper honours
 _INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
@@ -42,10 +43,12 @@ class HFRoundPipe(RoundPipe):
         parts = Parts(hf)
         routing, routers = _find_moe(hf, parts)
         moe_layers = sorted(routers)
-        layers = [Prefix(parts.embed_tokens, parts.rotary_emb)]
-        layers += [Decoder(layer, parts.config, fn, routing if i in moe_layers else None, i)
+        layers = [Prefix(parts.embed_tokens, parts.rotary_emb, parts.rope_types)]
+        layers += [Decoder(layer, parts.config, fn, routing if i in moe_layers else None, i,
+                           None if parts.rope_types is None else parts.rope_types[i])
                    for i, (layer, fn) in enumerate(zip(parts.layers, parts.mask_fns))]
         layers.append(Postfix(parts.norm, parts.lm_head, loss_chunk_size))
+        check_logits(hf, parts, layers)
         if routing is not None and routing.coef is not None:
             _check_last_stage(len(layers), roundpipe_kwargs.get("layers_per_stage", 1),
                               [i + 1 for i in moe_layers])
@@ -151,7 +154,9 @@ class HFRoundPipe(RoundPipe):
         ``hf_model(**input_kwargs).loss`` on the unsplit batch, whatever ``num_microbatch``:
         the cross-entropy summed over the batch's scored tokens and divided by their count
         (``num_items_in_batch`` in ``input_kwargs``, a number or 0-dim tensor, overrides the
-        count, e.g. for gradient accumulation over several calls, as HF's Trainer passes it),
+        count, e.g. for gradient accumulation over several calls, as HF's Trainer passes it;
+        a batch without a scored token, e.g. every label -100 or one token per row, gives
+        HF's loss NaN and zero gradients, as ``loss.backward()`` does there),
         plus, for a MoE model with ``config.output_router_logits``,
         ``router_aux_loss_coef`` times HF's load-balancing loss of the whole batch (see
         :mod:`roundpipe.hf.moe`). The cross-entropy is computed in chunks of
@@ -199,7 +204,7 @@ class HFRoundPipe(RoundPipe):
             num_items = count_items(labels)
         denominator = float(num_items)
         stats = self._begin_routing()
-        loss = super().forward_backward((), inputs, None, lambda total: total / denominator,
+        loss = super().forward_backward((), inputs, None, _token_mean(denominator),
                                         False, num_microbatch, optimizer, loss_reduction="sum",
                                         **step_kwargs)
         if stats is not None:
@@ -259,6 +264,16 @@ class HFRoundPipe(RoundPipe):
         """Writes a checkpoint that transformers (or peft) loads; see
         :func:`roundpipe.hf.save.save_pretrained`."""
         save.save_pretrained(self, save_directory, dtype=dtype, merged=merged, **kwargs)
+
+
+def _token_mean(denominator: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The loss_fn of the built-in loss: a microbatch's summed cross-entropy over the batch's
+    scored tokens. With none (denominator 0) HF's mean is ``0 / 0`` = NaN and its backward
+    gives zero gradients (no token contributes): the same here, instead of ``1 / 0``
+    scaling zeros into NaN gradients that would reach every weight."""
+    if denominator == 0:
+        return lambda total: total * 0.0 + math.nan
+    return lambda total: total / denominator
 
 
 def _peft_base(model: nn.Module):

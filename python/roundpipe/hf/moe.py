@@ -193,14 +193,26 @@ def find_routers(layer: nn.Module, router_cls: type) -> list:
 
     Raises:
         TypeError: a router without the ``top_k`` / ``norm_topk_prob`` attributes of the
-            supported (Qwen3-MoE style) routers.
+            supported (Qwen3-MoE style) routers, or with the score-correction bias, routed
+            scaling or expert groups of a sigmoid router (DeepSeek-V3 style, e.g.
+            MiMo-V2-Flash): :func:`router_hook` recomputes softmax weights for the kept
+            experts, which would silently give such a router other gradients.
     """
     found = []
     for name, m in layer.named_modules():
         if isinstance(m, router_cls):
-            if not (hasattr(m, "top_k") and hasattr(m, "norm_topk_prob")):
+            sigmoid = [a for a in _SIGMOID_ROUTER_ATTRS if hasattr(m, a)]
+            if not (hasattr(m, "top_k") and hasattr(m, "norm_topk_prob")) or sigmoid:
+                why = f" (it has {', '.join(sigmoid)})" if sigmoid else ""
                 raise TypeError(f"wrap_model_to_roundpipe: the MoE router {name!r} "
                                 f"({type(m).__name__}) is not a top-k softmax router with "
-                                "top_k and norm_topk_prob (Qwen3-MoE style); not supported")
+                                f"top_k and norm_topk_prob (Qwen3-MoE style){why}; not "
+                                "supported")
             found.append(m)
     return found
+
+
+# attributes of sigmoid / grouped routers (DeepSeek-V3 style), whose weights are not the
+# softmax of the kept experts' logits
+_SIGMOID_ROUTER_ATTRS = ("e_score_correction_bias", "routed_scaling_factor", "num_group",
+                         "n_group", "topk_group")

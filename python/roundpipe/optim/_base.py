@@ -214,7 +214,9 @@ class CpuOptimizer(Optimizer):
         torch). Compact state appears as kept: bfloat16 tensors, or for int8 state the uint8
         codes under the state's key (shaped like the parameter) and their float32 block
         maxima under ``<key>_absmax`` (one per 256 elements): all :meth:`load_state_dict`
-        needs to restore it exactly.
+        needs to restore it exactly. An algorithm without a step count (SGD) whose steps
+        drew rounding bits adds ``"rounding_calls"`` (its count of kernel calls, which those
+        bits depend on), so a resumed run rounds as the uninterrupted one; torch ignores it.
 
         Args:
             state_dtype: None (as kept) or ``torch.float32``: every per-element state tensor
@@ -225,6 +227,8 @@ class CpuOptimizer(Optimizer):
             ValueError: another ``state_dtype``.
         """
         sd = super().state_dict()
+        if self._memory.calls:
+            sd["rounding_calls"] = self._memory.calls
         if state_dtype is None:
             return sd
         if state_dtype is not torch.float32:
@@ -252,12 +256,16 @@ class CpuOptimizer(Optimizer):
         kernels keep, so the next steps compute what torch computes from it. Per-element state
         in any form (float32 or another float dtype, bfloat16, int8 codes with their
         ``_absmax``) is converted to this optimizer's ``state_dtype``, one tensor at a time.
+        A saved ``"rounding_calls"`` (see :meth:`state_dict`) is restored.
 
         Raises:
             ValueError: (before anything changes) a per-element state tensor's shape differs from
-                its parameter's (the kernels compare only element and dimension counts), or int8
-                codes come without their ``_absmax`` of the right length.
+                its parameter's (the kernels compare only element and dimension counts), int8
+                codes come without their ``_absmax`` of the right length, or
+                ``"rounding_calls"`` is not an int >= 0.
         """
+        calls = compact.check_calls(f"roundpipe.optim.{type(self).__name__}.load_state_dict",
+                                    state_dict.get("rounding_calls", self._memory.calls))
         saved_groups = state_dict.get("param_groups", [])
         by_id: dict = {}
         if len(saved_groups) == len(self.param_groups):
@@ -298,6 +306,7 @@ class CpuOptimizer(Optimizer):
         for p, st in self.state.items():  # state kept as loaded, in this optimizer's format
             if torch.is_tensor(p):
                 self._store_state(p, st, st)
+        self._memory.calls = calls
 
     def _scalar_state_to_tensors(self) -> None:
         """0-dim state as the kernels keep it, float32 tensors: Python numbers (old checkpoints;
@@ -422,6 +431,8 @@ class CpuOptimizer(Optimizer):
         if any(g.is_sparse for g in grads if g is not None):
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         state_of = self.state
+        if any(g is not None and not state_of.get(p) for p, g in zip(params, grads)):
+            self._check_options(group)  # state to create: not for a step that is refused
         pstates = [None if g is None else state_of[p] for p, g in zip(params, grads)]
 
         value = self._state_value
@@ -451,6 +462,12 @@ class CpuOptimizer(Optimizer):
         self._call_kernel(group, kparams, grads, states, scalars, pstates, model_copies, io)
         mark_updated(kparams, model_copies)
 
+    def _check_options(self, group: dict[str, Any]) -> None:
+        """The kernel's checks of the group's options (ValueError naming the option), through
+        a call with no tensors: nothing is stepped or created."""
+        type(self)._kernel(self._options(group), [], [], [[] for _ in self._state_keys],
+                           [[] for _ in self._scalar_keys], None, None, 0, None, None, False)
+
     def _call_kernel(self, group, kparams, grads, states, scalars, pstates, model_copies,
                      io) -> None:
         """The C++ step over the gathered lists, with what compact storage adds: the int8
@@ -462,11 +479,13 @@ class CpuOptimizer(Optimizer):
             absmax = [[None if st is None else st.get(k + "_absmax") for st in pstates]
                       if states[j] else [] for j, k in enumerate(self._state_keys)]
         seeds = None
+        counts_steps = bool(self._scalar_keys) and self._scalar_keys[0] == "step"
         if memory.rounds:
-            seeds = memory.seeds(kparams, self._rounding_index, counts_steps=bool(self._scalar_keys)
-                                 and self._scalar_keys[0] == "step")
+            seeds = memory.seeds(kparams, self._rounding_index, counts_steps=counts_steps)
         type(self)._kernel(self._options(group), kparams, grads, states, scalars, model_copies, io,
                            self.num_threads or 0, absmax, seeds, memory.stochastic_rounding)
+        if seeds is not None and not counts_steps:
+            memory.calls += 1  # only once the call succeeded
 
     def _group_of(self, p: torch.Tensor) -> Optional[int]:
         """Index of the param group holding ``p`` (None if none does), from an index rebuilt

@@ -110,19 +110,27 @@ class Memory:
     def seeds(self, params: list, index: Callable[[torch.Tensor], int],
               counts_steps: bool) -> list:
         """One rounding seed per parameter (0 where None): the stream of its position; the
-        kernels mix in the step count, and for an algorithm without one the call count is
-        mixed in here."""
+        kernels mix in the step count, and for an algorithm without one the number of the
+        coming call (``calls + 1``) is mixed in here. The caller advances ``calls`` once the
+        kernel call succeeded (a refused step changes nothing)."""
         if counts_steps:
             return [0 if p is None else _C.rounding_seed(self.seed, index(p)) for p in params]
-        self.calls += 1
         return [0 if p is None else _C.rounding_seed(_C.rounding_seed(self.seed, index(p)),
-                                                     self.calls) for p in params]
+                                                     self.calls + 1) for p in params]
 
     def format_of(self, p: torch.Tensor, key: str, int8_signed: dict) -> Any:
         """How state ``key`` of ``p`` is kept: torch.float32, torch.bfloat16 or "int8"."""
         if self.state_dtype == "int8":
             return "int8" if key in int8_signed and p.numel() >= INT8_MIN_NUMEL else torch.float32
         return self.state_dtype
+
+
+def check_calls(where: str, calls: Any) -> int:
+    """A saved rounding-call count (``Memory.calls``) as an int; ValueError naming
+    ``rounding_calls`` unless it is an int >= 0."""
+    if isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 0:
+        raise ValueError(f"{where}: rounding_calls must be an int >= 0, got {calls!r}")
+    return int(calls)
 
 
 def new_state(memory: Memory, p: torch.Tensor, state: dict, key: str, fill: float,

@@ -124,7 +124,7 @@ class SGD(CpuOptimizer):
                 ready.append(None)
                 pstates.append(None)
                 continue
-            st = self.state[p]
+            st = self.state.get(p, {})  # no empty entry left behind by a refused step
             if st.get("momentum_buffer") is None:
                 st = {}
                 self._new_state(p, st, "momentum_buffer")  # its values are never read

@@ -10,6 +10,8 @@
   writes its model copy is queued or running; uploads of that layer wait until it is released.
 - :func:`run_all`: runs one function per worker and waits for all of them; the first error
   aborts the others and reaches the caller.
+- :func:`check_not_forked`: a clear error in a ``fork()``-ed child, whose copy of a started
+  worker has no thread (anything queued would never run).
 
 Every wait here wakes up at least every :data:`POLL_S` seconds to check an abort flag, so no
 thread blocks forever when another one fails or the caller is interrupted.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import os
 import queue
 import threading
 import time
@@ -62,19 +65,29 @@ class Worker:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = 0  # the process that started the thread
         _live.add(self)
+
+    @property
+    def forked(self) -> bool:
+        """Whether the thread was started by another process: this is a ``fork()``-ed child,
+        where the worker's thread does not exist."""
+        return self._thread is not None and self._pid != os.getpid()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future:
         """Queues ``fn(*args)``; the returned future holds its result or exception.
 
         Raises:
-            RuntimeError: the worker is closed.
+            RuntimeError: the worker is closed, or its thread was started by the parent of
+                this ``fork()``-ed process (see :func:`check_not_forked`).
         """
+        check_not_forked([self], self.name)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the worker is closed")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._pid = os.getpid()
                 self._thread.start()
         future: cf.Future = cf.Future()
         self._queue.put((future, fn, args))
@@ -105,6 +118,23 @@ class Worker:
             # Nothing of the job may stay referenced while the thread waits for the next one:
             # a job's function refers to its RoundPipe, which must be freed when unused.
             del item
+
+
+def check_not_forked(workers: Iterable[Worker], where: str) -> None:
+    """Raises at once in a ``fork()``-ed child when one of ``workers`` had started its thread
+    in the parent: the child has none of the parent's threads, so work queued to it would
+    never run (and work the parent had queued, an asynchronous step say, never ends).
+
+    Raises:
+        RuntimeError: naming ``where``, the parent's and this process's ids, and the ways on.
+    """
+    for w in workers:
+        if w.forked:
+            raise RuntimeError(
+                f"{where}: this RoundPipe's threads were started in process {w._pid}, and this "
+                f"is a fork()-ed child (process {os.getpid()}) where they do not exist; build "
+                "the model in the child, or start child processes with the 'spawn' (or "
+                "'forkserver') start method of multiprocessing")
 
 
 def _run(future: cf.Future, fn: Callable[..., Any], args: tuple) -> None:
