@@ -210,22 +210,28 @@ def test_a_mean_loss_fn_gives_the_whole_batch_mean(microbatches, devices):
     assert_weights(model, reference_sgd_step(net(), x, y))
 
 
-def test_token_mean_weights_by_the_labels_counted_tokens():
+def ce(logits, y):
+    """A token mean, as in plain PyTorch."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+def token_model(microbatches):
+    """A tiny token model and RoundPipe over a copy of it, with SGD on its optimizer copies."""
     torch.manual_seed(0)
     emb = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 11))
     model = RoundPipe(copy.deepcopy(emb), optim_dtype=torch.float32, device="cpu",
-                      num_microbatch=3)
-    opt = rpo.SGD(model.optim_parameters(), lr=LR)
+                      num_microbatch=microbatches)
+    return emb, model, rpo.SGD(model.optim_parameters(), lr=LR)
+
+
+def test_token_mean_weights_by_the_labels_counted_tokens():
+    emb, model, opt = token_model(3)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 11, (6, 5), generator=g)
     labels = torch.randint(0, 11, (6, 5), generator=g)
     labels[0, 1:] = -100          # microbatches with very different token counts
     labels[1, :] = -100
     labels[4, 2:] = -100
-
-    def ce(logits, y):
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-
     loss = model.forward_backward(input_args=(ids,), label=labels, loss_fn=ce,
                                   loss_reduction="token_mean")
     ref = copy.deepcopy(emb)
@@ -239,18 +245,10 @@ def test_token_mean_weights_by_the_labels_counted_tokens():
 
 
 def test_token_mean_with_a_microbatch_of_no_token_stays_finite():
-    torch.manual_seed(0)
-    emb = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 11))
-    model = RoundPipe(copy.deepcopy(emb), optim_dtype=torch.float32, device="cpu",
-                      num_microbatch=2)
-    opt = rpo.SGD(model.optim_parameters(), lr=LR)
+    emb, model, opt = token_model(2)
     ids = torch.randint(0, 11, (4, 3))
     labels = torch.randint(0, 11, (4, 3))
     labels[:2] = -100                        # the first microbatch scores nothing: NaN mean
-
-    def ce(logits, y):
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-
     loss = model.forward_backward(input_args=(ids,), label=labels, loss_fn=ce,
                                   loss_reduction="token_mean")
     ref = copy.deepcopy(emb)
