@@ -94,12 +94,19 @@ def test_quantized_linear_forward_and_gradient_through_the_dequantized_weight():
     q = QuantizedLinear(lin, "nf4")
     assert q.bias is lin.bias and not q.weight_codes.requires_grad
     x = torch.randn(5, 64, requires_grad=True)
-    w = dequantize(q.weight_codes, q.weight_scales, "nf4", (24, 64), torch.float32)
+    w = dequantize(q.weight_codes, q.weight_scales.view(torch.float32), "nf4", (24, 64),
+                   torch.float32)
     x_ref = x.detach().clone().requires_grad_(True)
     torch.nn.functional.linear(x_ref, w, lin.bias).square().sum().backward()
     lin.bias.grad = None
     q(x).square().sum().backward()
     assert torch.equal(x.grad, x_ref.grad) and lin.bias.grad is not None
+    # the scales are kept as int32 bits: a dtype cast of the model leaves them exact
+    scales = q.weight_scales.clone()
+    q.to(torch.bfloat16)
+    assert torch.equal(q.weight_scales, scales) and q.bias.dtype == torch.bfloat16
+    assert next(p for p in q.parameters() if p.is_floating_point()) is q.bias
+    assert q.weight.dtype == torch.bfloat16 and q(x.detach().bfloat16()).dtype == torch.bfloat16
 
 
 def tiny_llama(seed: int = 0):
@@ -231,3 +238,31 @@ def test_save_and_checkpoint_of_a_quantized_base(tmp_path):
                    {f"{n}.weight" for n in quantized} for k in keys)
     assert any("lora_A" in k for k in keys)
     roundpipe.load_checkpoint(str(tmp_path / "ckpt"), w, opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_roundpipe_on_a_plain_module(dtype):
+    """RoundPipe(frozen_dtype=...) on an nn.Sequential (a frozen linear first, so the inputs'
+    dtype comes from the bias, not from a scale) equals the plain module on the dequantized
+    weight, for 3 SGD steps of the trainable linear."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)).to(dtype)
+    net[0].weight.requires_grad_(False)
+    ref = copy.deepcopy(net)
+    w = roundpipe.RoundPipe(net, torch.float32, device="cpu", num_microbatch=2,
+                            frozen_dtype="int8")
+    assert isinstance(net[0], QuantizedLinear) and isinstance(net[2], nn.Linear)
+    with torch.no_grad():
+        ref[0].weight.copy_(net[0].weight)
+    opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    opt = torch.optim.SGD(w.optim_parameters(), lr=0.1)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for step in range(3):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+        want = ref(x.to(dtype)).float().square().mean()
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        got = w.forward_backward((x,), loss_fn=lambda y: y.float().square().mean())
+        w.step(opt)
+        torch.testing.assert_close(got.detach(), want.detach(), **tol)

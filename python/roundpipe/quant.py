@@ -151,8 +151,12 @@ class QuantizedLinear(nn.Module):
 
     Attributes:
         weight_codes: frozen parameter, uint8 (nf4, packed) or int8 codes.
-        weight_scales: frozen parameter, float32, one per block of 64 values.
-        compute_dtype: the original weight's dtype (what ``W`` is dequantized into).
+        weight_scales: frozen parameter, one float32 per block of 64 values, kept as its
+            int32 bit pattern, so that ``model.to(dtype)`` / ``.half()`` cannot round the
+            scales and the module's first floating parameter is the bias, not a scale (what
+            RoundPipe casts floating inputs to).
+        compute_dtype: the original weight's dtype (what ``W`` is dequantized into); a cast
+            of the module (``.to(torch.bfloat16)``) changes it as it would the weight's.
 
     Raises:
         ValueError: the weight requires grad (a trainable weight is never quantized).
@@ -170,7 +174,7 @@ class QuantizedLinear(nn.Module):
         self.weight_shape = tuple(linear.weight.shape)
         codes, scales = quantize(linear.weight, frozen_dtype)
         self.weight_codes = nn.Parameter(codes, requires_grad=False)
-        self.weight_scales = nn.Parameter(scales, requires_grad=False)
+        self.weight_scales = nn.Parameter(scales.view(torch.int32), requires_grad=False)
         self.bias = linear.bias
         self._register_state_dict_hook(QuantizedLinear._dequantized_state)
         self._register_load_state_dict_pre_hook(QuantizedLinear._quantize_loaded, with_module=True)
@@ -179,11 +183,18 @@ class QuantizedLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantized weight ``(out_features, in_features)`` in :attr:`compute_dtype`,
         on the codes' device (a new tensor: writing to it changes nothing)."""
-        return dequantize(self.weight_codes, self.weight_scales, self.frozen_dtype,
-                          self.weight_shape, self.compute_dtype)
+        return dequantize(self.weight_codes, self.weight_scales.view(torch.float32),
+                          self.frozen_dtype, self.weight_shape, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def _apply(self, fn, *args, **kwargs):
+        # a cast of the model (``.to(dtype)``, ``.half()``) casts floating tensors: the
+        # dequantized weight follows it, the codes and int32-coded scales do not change
+        out = super()._apply(fn, *args, **kwargs)
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        return out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -196,7 +207,8 @@ class QuantizedLinear(nn.Module):
         scales = state_dict.pop(prefix + "weight_scales", None)
         if codes is not None and scales is not None:
             state_dict[prefix + "weight"] = dequantize(
-                codes.detach(), scales.detach(), module.frozen_dtype, module.weight_shape,
+                codes.detach(), scales.detach().view(torch.float32), module.frozen_dtype,
+                module.weight_shape,
                 module.compute_dtype)
         return state_dict
 
@@ -212,7 +224,7 @@ class QuantizedLinear(nn.Module):
             return
         codes, scales = quantize(w.to("cpu"), self.frozen_dtype)
         state_dict[prefix + "weight_codes"] = codes
-        state_dict[prefix + "weight_scales"] = scales
+        state_dict[prefix + "weight_scales"] = scales.view(torch.int32)
 
 
 def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:
