@@ -270,3 +270,13 @@ def test_roundpipe_on_a_plain_module(dtype):
         got = w.forward_backward((x,), loss_fn=lambda y: y.float().square().mean())
         w.step(opt)
         torch.testing.assert_close(got.detach(), want.detach(), **tol)
+
+
+def test_the_dense_weights_are_released():
+    import gc
+    import weakref
+    model = tiny_llama().requires_grad_(False)
+    refs = [weakref.ref(m.weight) for n, m in model.named_modules() if n.endswith("_proj")]
+    quantize_frozen_linears(model, "nf4")
+    gc.collect()
+    assert refs and all(r() is None for r in refs)

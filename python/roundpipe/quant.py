@@ -261,15 +261,18 @@ def quantize_frozen_linears(model: nn.Module, frozen_dtype: str,
     """
     found = dict(model.named_modules(remove_duplicate=False))
     todo = frozen_linears(model, frozen_dtype, modules)
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in found.values():
+        for cname, child in parent._modules.items():
+            if child is not None:
+                holders.setdefault(id(child), []).append((parent, cname))
+    olds = {id(found[name]): found[name] for name in todo}
+    del found
     replaced: dict[int, nn.Module] = {}
-    for name in todo:
-        old = found[name]
-        if id(old) not in replaced:
-            replaced[id(old)] = QuantizedLinear(old, frozen_dtype)
-    for _, parent in model.named_modules(remove_duplicate=False):
-        for cname, child in list(parent._modules.items()):
-            if child is not None and id(child) in replaced:
-                parent._modules[cname] = replaced[id(child)]
+    for key in list(olds):  # one at a time: each dense weight can go before the next is made
+        new = replaced[key] = QuantizedLinear(olds.pop(key), frozen_dtype)
+        for parent, cname in holders.get(key, []):
+            parent._modules[cname] = new
     return replaced
 
 
