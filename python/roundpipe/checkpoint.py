@@ -5,7 +5,8 @@ saved at N ranks loads at M ranks, or in one process, and training continues ide
 
 Layout of the saved state (keys are the model's parameter names, so nothing depends on the
 world size): ``model``: every trainable parameter at full precision (the optimizer copies),
-every buffer and frozen parameter; ``optimizer``: ``state`` (per parameter name, per state
+every buffer and frozen parameter except the quantized frozen base (``frozen_dtype``: it is
+the model's, loaded with it, and never changes); ``optimizer``: ``state`` (per parameter name, per state
 key, as the optimizer keeps it: float32, bfloat16 or int8 codes with their block maxima; only
 ``state_dtype="int8"`` state of a sharded parameter is written as the float32 values it reads
 back as, since each rank's block maxima would not split over another world size — a passing 4
@@ -27,6 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .optim import CpuOptimizer
+from .quant import frozen_base_keys
 
 
 def _names(model) -> dict[int, str]:
@@ -64,7 +66,10 @@ def _state(model, optimizer, mesh, template_keys: Optional[dict] = None) -> dict
     for i, name in names.items():
         sd["model"][name] = _wrap(model, i, copies.optim[i].data, mesh)
     trainable = {id(p) for p in copies.model}
+    base = frozen_base_keys(model.module)  # quantized frozen weights: the base, not written
     for name, t in model.module.state_dict(keep_vars=True).items():
+        if name in base:
+            continue
         if name not in sd["model"] and not (isinstance(t, torch.nn.Parameter) and id(t) in trainable):
             sd["model"][name] = t.data
     if optimizer is not None:

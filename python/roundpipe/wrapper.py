@@ -32,6 +32,7 @@ from .grad_scaler import GradScaler
 from .host_buffers import tune_malloc
 from .param_copies import ParamCopies
 from .pipeline.execute import draw_call_seed, in_layer
+from .quant import check_frozen_dtype, frozen_linears, quantize_frozen_linears
 from .pipeline.run import Layout, Pass
 from .pipeline.stage import AutocastState, PassSpec
 from .pipeline.threads import Worker, check_not_forked
@@ -107,6 +108,12 @@ class RoundPipe(nn.Module):
             this rank's share; elementwise optimizers work unchanged, Adafactor and LBFGS are
             refused by ``step`` and exact mode with a ``ValueError``).
         grad_reduction: ``"mean"`` (default, as DDP) or ``"sum"`` of the ranks' gradients.
+        frozen_dtype: ``"nf4"`` (QLoRA's 4-bit NormalFloat) or ``"int8"`` (blockwise
+            absmax): the weights of ``nn.Linear`` modules that do not require grad are kept on
+            the host in that format, uploaded packed and dequantized on the device right before
+            each linear runs (see :mod:`roundpipe.quant`); biases, norms, embeddings, tied or
+            output embeddings and every trainable parameter stay as they are. Raises
+            ``ValueError`` when the model has no frozen linear. None (default): no quantization.
 
     Concurrency: one call at a time per wrapper (``forward``, ``forward_backward``, ``step``,
     ``load_state_dict``): calls from other threads wait for the running one; a call from
@@ -139,7 +146,8 @@ class RoundPipe(nn.Module):
                  pin_memory: str = "auto", prefetch: bool = True,
                  max_resident_bytes: Optional[int] = None,
                  layers: Optional[Sequence[nn.Module]] = None, process_group: Any = None,
-                 shard_optimizer: bool = False, grad_reduction: str = "mean") -> None:
+                 shard_optimizer: bool = False, grad_reduction: str = "mean",
+                 frozen_dtype: Optional[str] = None) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be an nn.Module, got {type(model).__name__}")
@@ -166,6 +174,10 @@ class RoundPipe(nn.Module):
                             f"{type(shard_optimizer).__name__}")
         if shard_optimizer and process_group is None:
             raise ValueError("RoundPipe: shard_optimizer=True needs a process_group")
+        check_frozen_dtype(frozen_dtype, "RoundPipe")
+        if frozen_dtype is not None:
+            frozen_linears(model, frozen_dtype)  # raises when there is nothing to quantize
+        checked = _check_layers(model, layers) if layers is not None else None
         self._comm = None
         if process_group is not None:
             self._comm = Comm(process_group, grad_reduction, shard_optimizer, Stats())
@@ -183,7 +195,11 @@ class RoundPipe(nn.Module):
         self.device = self.devices[0]
         self.prefetch = prefetch
         self.max_resident_bytes = max_resident_bytes
-        self._layers = _check_layers(model, layers) if layers is not None else split_layers(model)
+        self.frozen_dtype = frozen_dtype
+        if frozen_dtype is not None:  # after every check: it replaces modules of ``model``
+            new = quantize_frozen_linears(model, frozen_dtype)
+            checked = None if checked is None else [new.get(id(m), m) for m in checked]
+        self._layers = checked if checked is not None else split_layers(model)
         self._stages = make_stages(len(self._layers), layers_per_stage, self.devices)
         self.num_microbatch = num_microbatch or len(self.devices) + 1
         self._split = split_fn or mb.split_microbatches

@@ -41,14 +41,23 @@ def save_pretrained(wrapper: Any, save_directory: str, dtype: Optional[torch.dty
     only the group's rank 0 writes. ``kwargs`` go to the underlying ``save_pretrained`` (e.g.
     ``max_shard_size``).
 
+    With ``frozen_dtype`` (quantized frozen base), a transformers model is written with each
+    quantized weight dequantized in the model dtype (the values the model computed with).
+
     Raises:
         TypeError: ``dtype`` is not a floating dtype; ``merged=True`` for a model without PEFT.
+        NotImplementedError: ``merged=True`` on a quantized frozen base.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"save_pretrained: dtype must be a floating torch.dtype, got {dtype!r}")
     peft = wrapper.peft_model
     if merged and peft is None:
         raise TypeError("save_pretrained: merged=True is for PEFT models")
+    if merged and getattr(wrapper, "frozen_dtype", None) is not None:
+        raise NotImplementedError(
+            f"save_pretrained: merged=True with frozen_dtype={wrapper.frozen_dtype!r} is not "
+            "supported yet (PEFT would merge into the dequantized copy and drop the result); "
+            "save the adapter (merged=False) and merge it into the original base")
     hf = wrapper.hf_model
     dtype = dtype or hf.dtype
     state = wrapper.state_dict()

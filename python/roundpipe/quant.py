@@ -1,0 +1,335 @@
+"""Quantized frozen weights: the frozen base of LoRA kept on the host in NF4 or blockwise
+int8, uploaded packed and dequantized on the compute device right before each linear runs.
+
+Formats (``frozen_dtype``), both over blocks of :data:`BLOCK` = 64 consecutive values of the
+row-major flattened weight (the last block zero-padded):
+
+- ``"nf4"``: QLoRA's 4-bit NormalFloat (Dettmers et al., "QLoRA: Efficient Finetuning of
+  Quantized LLMs", 2023, §3; the code book is bitsandbytes' ``NF4`` table, :data:`NF4_CODE`).
+  Per block one float32 ``absmax`` (the largest magnitude); each value ``x`` gets the index
+  of the code-book entry nearest to ``x / absmax`` (ties to the lower index, decided in
+  float64), two indices per byte, the first value of a pair in the high nibble (bitsandbytes'
+  packing). Dequantized: ``NF4_CODE[i] * absmax`` in float32 (exact product, one rounding).
+  No double quantization of the absmax: host bytes per value 0.5 + 4/64 = 0.5625.
+- ``"int8"``: symmetric linear codes ``q = round_half_even(127 * x / absmax)`` in [-127, 127]
+  (int8), per block the float32 scale ``absmax / 127``. Dequantized: ``q * scale`` in
+  float32 (exact product, one rounding). Linear rather than bitsandbytes' dynamic (tree)
+  map: a frozen weight's values inside a block of 64 are roughly uniform in magnitude, the
+  linear grid has the smaller worst-case error there (absmax/254) and dequantizes with a
+  multiply, no table. Host bytes per value 1 + 4/64 = 1.0625.
+
+:func:`quantize_frozen_linears` replaces every ``nn.Linear`` whose weight does not require
+grad (and is not tied to another module: an output embedding tied to the input embedding
+stays in the model dtype, as do biases, norms and embeddings) by a :class:`QuantizedLinear`
+whose packed codes and block scales are frozen parameters: RoundPipe uploads them as they
+are (``pipeline_stats()`` counts the packed bytes, and the weight floor is the packed size),
+and the module dequantizes them on the device inside its forward (also in the recomputation),
+so gradients reach the input (and PEFT's LoRA adapters around it) through the dequantized
+weight, as in QLoRA; the dequantized weight lives only while the layer's autograd graph does.
+
+``state_dict()`` of a :class:`QuantizedLinear` holds ``weight`` dequantized in the model
+dtype under the original name (never the packed codes), so a saved model loads into plain
+transformers/PyTorch with the values RoundPipe computed with; ``load_state_dict`` quantizes an
+incoming ``weight``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK = 64
+FROZEN_DTYPES = ("nf4", "int8")
+
+#: The NF4 code book (QLoRA, Dettmers et al. 2023; bitsandbytes ``get_4bit_type("nf4")``),
+#: float32 values, index 7 is zero.
+NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+
+_CHUNK_BLOCKS = 1 << 14  # blocks quantized at once (float64 temporaries: 8 MiB)
+_tables: dict[tuple[str, str], torch.Tensor] = {}
+_tables_lock = threading.Lock()
+
+
+def _nf4_table(device: torch.device) -> torch.Tensor:
+    key = ("nf4", str(device))
+    t = _tables.get(key)
+    if t is None:
+        with _tables_lock:
+            t = _tables.setdefault(key, torch.tensor(NF4_CODE, dtype=torch.float32, device=device))
+    return t
+
+
+def check_frozen_dtype(frozen_dtype, who: str) -> None:
+    """Raises ValueError unless ``frozen_dtype`` is None, ``"nf4"`` or ``"int8"``."""
+    if frozen_dtype is not None and frozen_dtype not in FROZEN_DTYPES:
+        raise ValueError(f"{who}: frozen_dtype must be None, 'nf4' or 'int8', got {frozen_dtype!r}")
+
+
+def quantize(weight: torch.Tensor, frozen_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes a floating tensor (any shape, on the CPU) blockwise (see the module docstring).
+
+    Returns:
+        ``(codes, scales)``: ``nf4``: uint8 ``(ceil(n / 64) * 32,)`` packed indices and float32
+        ``(ceil(n / 64),)`` absmax per block; ``int8``: int8 ``(ceil(n / 64) * 64,)`` codes and
+        float32 ``(ceil(n / 64),)`` scale (absmax / 127) per block. ``n = weight.numel()``.
+
+    Raises:
+        ValueError: ``frozen_dtype`` unknown, or ``weight`` not floating point.
+    """
+    check_frozen_dtype(frozen_dtype, "quantize")
+    if frozen_dtype is None or not weight.is_floating_point():
+        raise ValueError(f"quantize: needs a floating tensor and a frozen_dtype, got "
+                         f"{weight.dtype} and {frozen_dtype!r}")
+    flat = weight.detach().reshape(-1)
+    n = flat.numel()
+    nb = -(-n // BLOCK)
+    scales = torch.empty(nb, dtype=torch.float32)
+    if frozen_dtype == "nf4":
+        codes = torch.empty(nb * BLOCK // 2, dtype=torch.uint8)
+        table = torch.tensor(NF4_CODE, dtype=torch.float64)
+        mids = (table[1:] + table[:-1]) / 2  # exact in float64
+    else:
+        codes = torch.empty(nb * BLOCK, dtype=torch.int8)
+    for b0 in range(0, nb, _CHUNK_BLOCKS):
+        b1 = min(nb, b0 + _CHUNK_BLOCKS)
+        x = torch.zeros((b1 - b0) * BLOCK, dtype=torch.float64)
+        part = flat[b0 * BLOCK:min(n, b1 * BLOCK)]
+        x[:part.numel()] = part
+        x = x.view(-1, BLOCK)
+        absmax = x.abs().amax(dim=1)
+        if frozen_dtype == "nf4":
+            scales[b0:b1] = absmax  # the largest magnitude: exact in float32 for <= fp32 input
+            absmax32 = scales[b0:b1].double()
+            safe = torch.where(absmax32 > 0, absmax32, torch.ones_like(absmax32))
+            # nearest code: the number of midpoints strictly below (ties to the lower index)
+            idx = torch.searchsorted(mids, (x / safe[:, None]).reshape(-1), side="left")
+            idx = idx.to(torch.uint8).view(-1, 2)
+            codes[b0 * BLOCK // 2:b1 * BLOCK // 2] = (idx[:, 0] << 4) | idx[:, 1]
+        else:
+            safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+            q = torch.round(x * 127 / safe[:, None]).clamp_(-127, 127)
+            codes[b0 * BLOCK:b1 * BLOCK] = q.reshape(-1).to(torch.int8)
+            scales[b0:b1] = absmax / 127
+    return codes, scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, frozen_dtype: str,
+               shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of ``shape`` and ``dtype`` that ``(codes, scales)`` (from :func:`quantize`)
+    stand for, computed on their device (a table lookup or an int8 -> float32 conversion,
+    times the block's scale, in float32, then rounded to ``dtype``)."""
+    n = 1
+    for s in shape:
+        n *= s
+    if frozen_dtype == "nf4":
+        idx = torch.stack((codes >> 4, codes & 15), dim=-1).view(-1).int()
+        vals = _nf4_table(codes.device)[idx].view(-1, BLOCK)
+    else:
+        vals = codes.view(-1, BLOCK).float()
+    vals = vals * scales[:, None]
+    return vals.view(-1)[:n].view(tuple(shape)).to(dtype)
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen ``nn.Linear`` whose weight is kept blockwise quantized (see the module
+    docstring): ``y = x @ W^T + b`` with ``W`` dequantized from :attr:`weight_codes` and
+    :attr:`weight_scales` on their device, in :attr:`compute_dtype`, at each forward.
+
+    Args:
+        linear: the module replaced (its weight is quantized; its bias, trainable or not,
+            is kept as the same parameter object).
+        frozen_dtype: ``"nf4"`` or ``"int8"``.
+
+    Attributes:
+        weight_codes: frozen parameter, uint8 (nf4, packed) or int8 codes.
+        weight_scales: frozen parameter, one float32 per block of 64 values, kept as its
+            int32 bit pattern, so that ``model.to(dtype)`` / ``.half()`` cannot round the
+            scales and the module's first floating parameter is the bias, not a scale (what
+            RoundPipe casts floating inputs to).
+        compute_dtype: the original weight's dtype (what ``W`` is dequantized into); a cast
+            of the module (``.to(torch.bfloat16)``) changes it as it would the weight's.
+
+    Raises:
+        ValueError: the weight requires grad (a trainable weight is never quantized).
+    """
+
+    def __init__(self, linear: nn.Linear, frozen_dtype: str) -> None:
+        super().__init__()
+        check_frozen_dtype(frozen_dtype, "QuantizedLinear")
+        if linear.weight.requires_grad:
+            raise ValueError("QuantizedLinear: the weight requires grad; trainable weights are "
+                             "never quantized (freeze it, or leave it out)")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.frozen_dtype = frozen_dtype
+        self.compute_dtype = linear.weight.dtype
+        self.weight_shape = tuple(linear.weight.shape)
+        codes, scales = quantize(linear.weight, frozen_dtype)
+        self.weight_codes = nn.Parameter(codes, requires_grad=False)
+        self.weight_scales = nn.Parameter(scales.view(torch.int32), requires_grad=False)
+        self.bias = linear.bias
+        self._register_state_dict_hook(QuantizedLinear._dequantized_state)
+        self._register_load_state_dict_pre_hook(QuantizedLinear._quantize_loaded, with_module=True)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight ``(out_features, in_features)`` in :attr:`compute_dtype`,
+        on the codes' device (a new tensor: writing to it changes nothing)."""
+        return dequantize(self.weight_codes, self.weight_scales.view(torch.float32),
+                          self.frozen_dtype, self.weight_shape, self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def _apply(self, fn, *args, **kwargs):
+        # a cast of the model (``.to(dtype)``, ``.half()``) casts floating tensors: the
+        # dequantized weight follows it, the codes and int32-coded scales do not change
+        out = super()._apply(fn, *args, **kwargs)
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, frozen_dtype={self.frozen_dtype!r}, "
+                f"compute_dtype={self.compute_dtype}")
+
+    @staticmethod
+    def _dequantized_state(module, state_dict, prefix, local_metadata):
+        codes = state_dict.pop(prefix + "weight_codes", None)
+        scales = state_dict.pop(prefix + "weight_scales", None)
+        if codes is not None and scales is not None:
+            state_dict[prefix + "weight"] = dequantize(
+                codes.detach(), scales.detach().view(torch.float32), module.frozen_dtype,
+                module.weight_shape,
+                module.compute_dtype)
+        return state_dict
+
+    @staticmethod
+    def _quantize_loaded(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                         unexpected_keys, error_msgs):
+        w = state_dict.pop(prefix + "weight", None)
+        if w is None:
+            return
+        if tuple(w.shape) != self.weight_shape:
+            error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
+                              f"{tuple(w.shape)}, the shape in current model is {self.weight_shape}")
+            return
+        codes, scales = quantize(w.to("cpu"), self.frozen_dtype)
+        state_dict[prefix + "weight_codes"] = codes
+        state_dict[prefix + "weight_scales"] = scales.view(torch.int32)
+
+
+def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:
+    get = getattr(model, "get_output_embeddings", None)
+    if not callable(get):
+        return None
+    try:
+        return get()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def quantize_frozen_linears(model: nn.Module, frozen_dtype: str,
+                            modules: Optional[Sequence[str]] = None) -> dict[int, nn.Module]:
+    """Replaces frozen ``nn.Linear`` modules of ``model`` (in place, on the CPU) by
+    :class:`QuantizedLinear` in ``frozen_dtype``; the original weights are released.
+
+    Args:
+        model: the model (its weights on the CPU).
+        frozen_dtype: ``"nf4"`` or ``"int8"``.
+        modules: names (as ``named_modules`` gives them) of the linears to quantize; None:
+            every ``nn.Linear`` whose weight does not require grad, except weights shared
+            with another module (tied embeddings) and the model's output embeddings
+            (``get_output_embeddings()``, as transformers leaves ``lm_head`` unquantized).
+
+    Returns:
+        ``{id(old module): new module}``.
+
+    Raises:
+        ValueError: ``frozen_dtype`` unknown; a name in ``modules`` is not an ``nn.Linear`` of
+            ``model``, or its weight requires grad, or is tied; ``modules`` is None and no
+            frozen linear is found (forgetting to freeze the base would quantize nothing).
+            Raised before anything is modified.
+    """
+    found = dict(model.named_modules(remove_duplicate=False))
+    todo = frozen_linears(model, frozen_dtype, modules)
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in found.values():
+        for cname, child in parent._modules.items():
+            if child is not None:
+                holders.setdefault(id(child), []).append((parent, cname))
+    olds = {id(found[name]): found[name] for name in todo}
+    del found
+    replaced: dict[int, nn.Module] = {}
+    for key in list(olds):  # one at a time: each dense weight can go before the next is made
+        new = replaced[key] = QuantizedLinear(olds.pop(key), frozen_dtype)
+        for parent, cname in holders.get(key, []):
+            parent._modules[cname] = new
+    return replaced
+
+
+def frozen_linears(model: nn.Module, frozen_dtype: str,
+                   modules: Optional[Sequence[str]] = None) -> list[str]:
+    """The names of the linears :func:`quantize_frozen_linears` would replace (same
+    arguments and errors; nothing is modified)."""
+    check_frozen_dtype(frozen_dtype, "quantize_frozen_linears")
+    if frozen_dtype is None:
+        raise ValueError("quantize_frozen_linears: frozen_dtype must be 'nf4' or 'int8', got None")
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    found = dict(model.named_modules(remove_duplicate=False))
+    if modules is not None:
+        todo = []
+        for name in modules:
+            m = found.get(name)
+            if not isinstance(m, nn.Linear):
+                raise ValueError(f"quantize_frozen_linears: modules: {name!r} is not an nn.Linear "
+                                 "of the model")
+            if m.weight.requires_grad:
+                raise ValueError(f"quantize_frozen_linears: modules: {name!r} has a trainable "
+                                 "weight (requires_grad=True); trainable weights are never "
+                                 "quantized: freeze it first, or leave it out")
+            if uses[id(m.weight)] > 1:
+                raise ValueError(f"quantize_frozen_linears: modules: {name!r} has a weight tied "
+                                 "to another module; tied weights stay in the model dtype")
+            todo.append(name)
+    else:
+        skip = _output_embeddings(model)
+        todo = [name for name, m in found.items()
+                if isinstance(m, nn.Linear) and m is not skip and not m.weight.requires_grad
+                and m.weight.is_floating_point() and uses[id(m.weight)] == 1]
+        if not todo:
+            raise ValueError(
+                f"frozen_dtype={frozen_dtype!r}: the model has no frozen nn.Linear weight to "
+                "quantize; freeze the base first (e.g. peft.get_peft_model, or "
+                "requires_grad_(False)) or leave frozen_dtype=None")
+    return todo
+
+
+def frozen_base_keys(model: nn.Module) -> set[str]:
+    """State-dict names of ``model``'s quantized weights (what checkpoints leave out)."""
+    return {f"{name}.weight" if name else "weight"
+            for name, m in model.named_modules(remove_duplicate=False)
+            if isinstance(m, QuantizedLinear)}
+
+
+def host_bytes(model: nn.Module) -> tuple[int, int]:
+    """``(bytes, values)`` of ``model``'s quantized weights on the host: packed codes plus
+    block scales, and the number of weight values they stand for."""
+    seen: set[int] = set()
+    total = values = 0
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear) and id(m) not in seen:
+            seen.add(id(m))
+            total += sum(t.numel() * t.element_size() for t in (m.weight_codes, m.weight_scales))
+            values += m.in_features * m.out_features
+    return total, values
