@@ -7,6 +7,11 @@
 - ``roundpipe.optim.X``;
 - ``torch.optim.X`` with ``foreach=False``, ``foreach=True`` and, where torch has one, ``fused=True``.
 
+A second table covers the fused mixed-precision pass (``CpuOptimizer.fused_step``: bfloat16
+gradient in, bfloat16 model copy out, in one pass) against the same work done separately
+(convert the gradient to float32, step, copy the parameter to bfloat16), with its own floor
+(``stream_step`` through the same fused pass, moving the same bytes).
+
 A third table (:mod:`roundpipe.bench.peers`) puts the optimizers users would otherwise pick next
 to ours, where their packages are installed (never a dependency of RoundPipe; a missing one is
 skipped with a printed note): DeepSpeed's ``DeepSpeedCPUAdam``/``DeepSpeedCPUAdagrad`` against
@@ -14,15 +19,11 @@ our float32 steps, torchao's ``AdamW8bit``/``_AdamW(bf16_stochastic_round=True)`
 bitsandbytes' ``AdamW8bit`` against our int8 state and bfloat16 master weights, same tensors,
 threads and interleaved rounds (``--peers only`` for just that table, ``none`` to skip it).
 
-A second table covers the fused mixed-precision pass (``CpuOptimizer.fused_step``: bfloat16
-gradient in, bfloat16 model copy out, in one pass) against the same work done separately
-(convert the gradient to float32, step, copy the parameter to bfloat16), with its own floor
-(``stream_step`` through the same fused pass, moving the same bytes).
-
 Each contender steps its own copy of the parameters and state; contenders are timed in turn,
 ``--repeats`` rounds (rotating who goes first, so machine drift hits all alike), and every
 figure is the median over the rounds with its min-max range; ratios are taken per round.
-Our pool and torch's intra-op threads both get ``--threads``. Also reported:
+Our pool, torch's intra-op threads and the peers' OpenMP loops all get ``--threads`` (a number
+or ``all``). Also reported:
 a torch matrix multiply timed alone and right after one of our steps (the pool's workers must be
 asleep, not spinning, when the step returns).
 
@@ -289,7 +290,8 @@ def threads_arg(text: str) -> int:
     try:
         return positive_int(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'all', got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 1 or 'all', got {text!r}") from None
 
 
 def _threads_text(text: str) -> str:

@@ -31,9 +31,10 @@ wrongly wired peer, or one that does nothing, is reported as WRONG and the bench
 non-zero after printing. Then the lr is set to 1e-3 and the timed rounds run.
 
 A layout's tensors are cut to whole blocks of 256 elements (50M: 49,999,872; torchao keeps
-float32 state for any other size). The floor of a configuration is the streaming kernel over float32 tensors of the same layout
-with the float32 algorithm's state count (Adam: 28 bytes per element), scaled per round to the
-configuration's bytes per element (as ``python -m roundpipe.bench memory`` does).
+float32 state for any other size). The floor of a configuration is the streaming kernel over
+float32 tensors of the same layout with the float32 algorithm's state count (Adam: 28 bytes
+per element), scaled per round to the configuration's bytes per element (as
+``python -m roundpipe.bench memory`` does).
 """
 
 from __future__ import annotations
@@ -305,7 +306,8 @@ def _fresh(values: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.
 def prepare(config: Config, peers: list[Peer], count: int, size: int, seed: int = 0):
     """The contenders of ``config`` on ``count`` tensors of ``size`` elements, each on its own
     copy of the same values and gradients, checked against torch.optim: returns (steps: name
-    -> a callable doing one step at lr 1e-3, checks: name -> :func:`check`'s result). The floor (float32 twins, the float32 algorithm's bytes) is under "floor"."""
+    -> a callable doing one step at lr 1e-3, checks: name -> :func:`check`'s result). The
+    floor (float32 twins, the float32 algorithm's bytes) is under "floor"."""
     gen = torch.Generator().manual_seed(seed)
     values = [(torch.rand(size, generator=gen) - 0.5).to(config.param_dtype)
               for _ in range(count)]
@@ -433,7 +435,8 @@ def run(algorithms, layouts: list[tuple[str, int, int, str]], threads: int, repe
     configs = [(c, [p for p in ps if p.deepspeed_op not in failed_ops]) for c, ps in configs]
     openmp = set_openmp_threads(threads)
     log("OpenMP runtimes (torch's, and DeepSpeed's ops'): " + (
-        ", ".join(f"{path} ({n} thread{'s' * (n != 1)})" for path, n in openmp.items()) or "none found"))
+        ", ".join(f"{path} ({n} thread{'s' * (n != 1)})" for path, n in openmp.items())
+        or "none found"))
     log(HEADER)
     rows, skipped, wrong = [], [], []
     for layout, count, size, label in layouts:
