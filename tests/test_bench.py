@@ -18,7 +18,7 @@ def test_benchmark_runs_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "roundpipe.bench", "--algorithms", "Adam", "SGD",
                         "Rprop", "--scale", "0.0004", "--repeats", "5", "--threads", "1",
-                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+                        "--peers", "none", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "%floor" in r.stdout and "matmul" in r.stdout
     assert "roundpipe.optim pool 1, torch intra-op 1" in r.stdout      # the thread setup
@@ -55,7 +55,7 @@ def test_adafactor_rows_are_matrices_with_their_floor_and_the_header_names_the_c
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "roundpipe.bench", "--algorithms", "Adafactor",
                         "--layouts", "200x250k", "--scale", "0.01", "--repeats", "5",
-                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+                        "--peers", "none", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
     assert result["threads"]["cpu"] in r.stdout.splitlines()[0]
@@ -75,7 +75,8 @@ def test_help_explains_every_column():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
     for column in ("layout", "B/el", "floor ns", "ours ns", "spr", "GB/s", "%floor",
-                   "torch best", "speed-up", "separate"):
+                   "torch best", "speed-up", "separate", "configuration", "peer", "ours faster",
+                   "WRONG"):
         assert f"\n  {column} " in r.stdout, column
 
 

@@ -12,10 +12,18 @@ gradient in, bfloat16 model copy out, in one pass) against the same work done se
 (convert the gradient to float32, step, copy the parameter to bfloat16), with its own floor
 (``stream_step`` through the same fused pass, moving the same bytes).
 
+A third table (:mod:`roundpipe.bench.peers`) puts the optimizers users would otherwise pick next
+to ours, where their packages are installed (never a dependency of RoundPipe; a missing one is
+skipped with a printed note): DeepSpeed's ``DeepSpeedCPUAdam``/``DeepSpeedCPUAdagrad`` against
+our float32 steps, torchao's ``AdamW8bit``/``_AdamW(bf16_stochastic_round=True)`` and
+bitsandbytes' ``AdamW8bit`` against our int8 state and bfloat16 master weights, same tensors,
+threads and interleaved rounds (``--peers only`` for just that table, ``none`` to skip it).
+
 Each contender steps its own copy of the parameters and state; contenders are timed in turn,
 ``--repeats`` rounds (rotating who goes first, so machine drift hits all alike), and every
 figure is the median over the rounds with its min-max range; ratios are taken per round.
-Our pool and torch's intra-op threads both get ``--threads``. Also reported:
+Our pool, torch's intra-op threads and the peers' OpenMP loops all get ``--threads`` (a number
+or ``all``). Also reported:
 a torch matrix multiply timed alone and right after one of our steps (the pool's workers must be
 asleep, not spinning, when the step returns).
 
@@ -23,6 +31,7 @@ asleep, not spinning, when the step returns).
     python -m roundpipe.bench --algorithms Adam SGD --layouts 200x250k --threads 2
     python -m roundpipe.bench --scale 0.001 --repeats 5 --json out.json   # a quick run
     python -m roundpipe.bench --mixed-layout none     # skip the mixed-precision table
+    python -m roundpipe.bench --peers only --algorithms Adam AdamW --layouts 50M --threads all
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from roundpipe import _C
 
 from . import (MIN_REPEATS, Figure, available_cpus, compare, human, interleave, paired_ratio,
                positive_float, positive_int, repeats_arg, timed, writable_path)
+from . import peers as peer_table
 from .cpu import cpu_model
 from .floors import floor_step, matrix_shape
 
@@ -273,6 +283,22 @@ def run_mixed(algorithms, layout: str, repeats: int, scale: float, log=print) ->
     return rows
 
 
+def threads_arg(text: str) -> int:
+    """argparse type: a thread count >= 1, or ``all``: the CPUs this process may run on."""
+    if text == "all":
+        return available_cpus()
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 1 or 'all', got {text!r}") from None
+
+
+def _threads_text(text: str) -> str:
+    threads_arg(text)  # checked, kept as written (the header says "--threads all")
+    return text
+
+
 def thread_setup(threads: int) -> dict:
     """The threads this benchmark runs with, as they are set (not as asked)."""
     return {"torch_intra_op": torch.get_num_threads(), "roundpipe_pool": rpo.num_threads(),
@@ -281,42 +307,60 @@ def thread_setup(threads: int) -> dict:
 
 
 def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print,
-        mixed_layout: str | None = None) -> dict:
+        mixed_layout: str | None = None, peers: str = "none", peer_packages=None) -> dict:
+    """The benchmark: the main table (unless ``peers == "only"``), the mixed-precision table
+    on ``mixed_layout`` (None: skipped), and the peers table (``peers``: ``auto``, ``only`` or
+    ``none``; ``peer_packages``: whose peers, default all installed); returns everything as a
+    dict (the ``--json`` file)."""
     rpo.set_num_threads(threads)
     torch.set_num_threads(threads)
     setup = thread_setup(threads)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for layout in layouts:
-        count, size = layout_shape(layout, scale)
-        for name in algorithms:
-            steps, bytes_per_element = _contenders(name, count, size, gen)
-            row = _row(name, layout, count, size, bytes_per_element,
-                       _measure(steps, repeats, count * size), "roundpipe")
-            rows.append(row)
-            log(format_row(row))
-            del steps
+    if peers != "only":
+        log(HEADER)
+        for layout in layouts:
+            count, size = layout_shape(layout, scale)
+            for name in algorithms:
+                steps, bytes_per_element = _contenders(name, count, size, gen)
+                row = _row(name, layout, count, size, bytes_per_element,
+                           _measure(steps, repeats, count * size), "roundpipe")
+                rows.append(row)
+                log(format_row(row))
+                del steps
     mixed = []
-    if mixed_layout is not None:
+    if mixed_layout is not None and peers != "only":
         log("mixed precision (bf16 gradient in, bf16 model copy out) vs convert + step + copy:")
         log(MIXED_HEADER)
         mixed = run_mixed(algorithms, mixed_layout, repeats, scale, log)
+    peer_result = None
+    if peers != "none":
+        log("peers: the CPU optimizers users would otherwise pick, on the same tensors, threads "
+            "and rounds:")
+        shapes = [(layout, *layout_shape(layout, scale)) for layout in layouts]
+        peer_result = peer_table.run(algorithms,
+                                     [(n, c, s, layout_label(c, s)) for n, c, s in shapes],
+                                     threads, repeats, _measure, log, peer_packages)
     return {"threads": setup, "isa": rpo.active_isa(), "repeats": repeats, "scale": scale,
-            "rows": rows, "mixed": mixed, "matmul": matmul_interference(repeats)}
+            "rows": rows, "mixed": mixed, "peers": peer_result,
+            "matmul": matmul_interference(repeats)}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m roundpipe.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=LEGEND + "\n\nThe other benchmarks: python -m "
+                                 epilog=LEGEND + "\n" + peer_table.LEGEND +
+                                        "\n\nThe other benchmarks: python -m "
                                         "roundpipe.bench pipeline --help (RoundPipe training "
                                         "with and without overlap), python -m roundpipe.bench "
                                         "overhead --help (the fixed cost of a call)")
     ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
                     help="parameter layouts by their full-size names (default: all three)")
-    ap.add_argument("--threads", type=positive_int, default=1,
-                    help="threads of our pool and torch's intra-op threads alike (default 1)")
+    ap.add_argument("--threads", type=_threads_text, default="1",
+                    help="threads of our pool, torch's intra-op threads and the OpenMP loops of "
+                         "DeepSpeed's ops alike: a number or 'all' (the CPUs this process may "
+                         "use); default 1")
     ap.add_argument("--repeats", type=repeats_arg, default=7,
                     help=f"interleaved rounds, at least {MIN_REPEATS} (default 7): every figure "
                          "is the median over them, with the min-max range")
@@ -325,21 +369,31 @@ def main(argv=None) -> None:
                          "quick run); the table shows the real sizes")
     ap.add_argument("--mixed-layout", default="200x250k", choices=list(LAYOUTS) + ["none"],
                     help="layout of the mixed-precision table (default 200x250k; none: skip it)")
+    ap.add_argument("--peers", default="auto", choices=["auto", "only", "none"],
+                    help="the peers table (DeepSpeed, torchao, bitsandbytes where installed; "
+                         "for Adam, AdamW and Adagrad among --algorithms): auto (default: after "
+                         "the other tables), only (just it), none")
+    ap.add_argument("--peer-packages", nargs="+", choices=list(peer_table.PACKAGES),
+                    help="only the peers of these packages (default: every one installed)")
     ap.add_argument("--json", type=writable_path,
                     help="also write the results (with every repeat's values) as JSON to this file")
     args = ap.parse_args(argv)
-    rpo.set_num_threads(args.threads)
-    torch.set_num_threads(args.threads)
-    t = thread_setup(args.threads)
+    threads = threads_arg(args.threads)
+    rpo.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    t = thread_setup(threads)
     print(f"RoundPipe optimizer benchmark on {cpu_model()}: ISA {t['isa']}; threads: "
           f"roundpipe.optim pool "
-          f"{t['roundpipe_pool']}, torch intra-op {t['torch_intra_op']} (both --threads), no "
+          f"{t['roundpipe_pool']}, torch intra-op {t['torch_intra_op']} (both --threads"
+          f"{' all' if args.threads == 'all' else ''}; the peers' OpenMP loops too), no "
           f"RoundPipe device workers; {t['cpus_available']} CPUs available; median of "
           f"{args.repeats} interleaved repeats")
     print(LEGEND)
-    print(HEADER)
-    result = run(args.algorithms, args.layouts, args.threads, args.repeats, args.scale,
-                 mixed_layout=None if args.mixed_layout == "none" else args.mixed_layout)
+    if args.peers != "none":
+        print(peer_table.LEGEND)
+    result = run(args.algorithms, args.layouts, threads, args.repeats, args.scale,
+                 mixed_layout=None if args.mixed_layout == "none" else args.mixed_layout,
+                 peers=args.peers, peer_packages=args.peer_packages)
     m = result["matmul"]
     alone, after, ratio = (Figure.from_dict(m[k]) for k in ("alone_ms", "after_step_ms",
                                                             "after_over_alone"))
@@ -349,3 +403,7 @@ def main(argv=None) -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args.json}")
+    wrong = (result["peers"] or {}).get("wrong")
+    if wrong:
+        raise SystemExit("WRONG results (parameters differ from torch.optim's beyond the "
+                         "tolerance after two steps): " + "; ".join(wrong))
