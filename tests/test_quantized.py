@@ -4,7 +4,8 @@ References are independent of roundpipe.quant: the NF4 code book is copied here 
 (Dettmers et al. 2023, appendix / bitsandbytes' ``get_4bit_type("nf4")``), quantization and
 dequantization are written here in float64 (argmin over distances, not midpoints); training
 is compared with plain PEFT on the same model whose frozen weights were replaced by their
-dequantized values. bitsandbytes is not required (not installed here).
+dequantized values. Where bitsandbytes is installed (requirements-dev.txt pins it), its CPU
+``quantize_4bit`` / ``dequantize_4bit`` are a second reference, bit for bit.
 """
 
 from __future__ import annotations
@@ -280,3 +281,24 @@ def test_the_dense_weights_are_released():
     quantize_frozen_linears(model, "nf4")
     gc.collect()
     assert refs and all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nf4_equals_bitsandbytes_bit_for_bit(dtype):
+    """Where bitsandbytes is installed (requirements-dev.txt pins it), its CPU quantize_4bit
+    (NF4, blocks of 64) is the independent reference: the same packed codes and block maxima,
+    and dequantize_4bit gives our dequantized values."""
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(96, 128, generator=g) * torch.logspace(-3, 1, 128)).to(dtype)
+    w[3, :64] = 0.0                                    # an all-zero block
+    codes, scales = quantize(w, "nf4")
+    ref_codes, state = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4")
+    ref_absmax = state.absmax.float()
+    assert torch.equal(scales, ref_absmax)
+    mismatch = (codes != ref_codes.reshape(-1)).sum().item()
+    assert mismatch == 0, f"{mismatch} of {codes.numel()} packed bytes differ"
+    ours = dequantize(codes, scales, "nf4", w.shape, dtype)  # in the weight's dtype, as theirs
+    theirs = bnb.dequantize_4bit(ref_codes, state)
+    assert theirs.dtype == dtype
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
