@@ -293,6 +293,76 @@ def test_a_callable_counts_items():
     assert seen == [3, 3]
 
 
+def test_mean_counts_the_labels_rows_when_an_input_is_passed_whole():
+    """A custom split_fn passing a table whole to every microbatch, ahead of the batch: the
+    shares are the label's rows (2 and 8), not the table's."""
+    class WithTable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+
+        def forward(self, table, x):
+            return self.lin(x) + table.sum(0)
+
+    def split(args, kwargs, label, n):
+        table, x = args
+        return [((table, x[:2]), {}, label[:2]), ((table, x[2:]), {}, label[2:])]
+
+    torch.manual_seed(0)
+    plain = WithTable()
+    model = RoundPipe(copy.deepcopy(plain), optim_dtype=torch.float32, device="cpu",
+                      split_fn=split, layers=None)
+    table = torch.randn(3, 3)
+    x, y = batch(rows=10)
+    loss = model.forward_backward(input_args=(table, x), label=y, loss_fn=mse)
+    torch.testing.assert_close(loss, F.mse_loss(plain(table, x), y).detach(), rtol=1e-6,
+                               atol=1e-7)
+
+
+@pytest.mark.parametrize("count", [float("nan"), float("inf"), -1])
+def test_a_callable_count_that_is_not_a_finite_number_is_refused(count):
+    model = RoundPipe(net(), device="cpu", num_microbatch=2)
+    x, y = batch()
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse,
+                               loss_reduction=lambda t: count)
+    assert all(g is None for g in model.accumulated_grads().values())
+
+
+def test_a_callable_count_may_be_a_numpy_number():
+    import numpy as np
+    model = RoundPipe(net(), device="cpu", num_microbatch=2)
+    x, y = batch()
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse,
+                                  loss_reduction=lambda t: np.int64(t.shape[0]))
+    torch.testing.assert_close(loss, F.mse_loss(net()(x), y).detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_an_async_step_of_a_torch_optimizer_uses_the_lr_of_its_own_step():
+    """scheduler.step() right after model.step(opt, is_async=True) affects the next step only,
+    also for a torch.optim optimizer (the scheduler wraps opt.step on the instance)."""
+    model = RoundPipe(net(), optim_dtype=torch.float32, device="cpu")
+    opt = torch.optim.SGD(model.optim_parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s == 0 else 0.0)
+    x, y = batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    model.step(opt, is_async=True)
+    sched.step()                                  # lr 0 from the next step on
+    model.synchronize()
+    assert_weights(model, reference_sgd_step(net(), x, y))
+
+
+def test_a_step_function_writing_through_data_does_not_warn():
+    import warnings
+    model = RoundPipe(net(), optim_dtype=torch.float32, device="cpu")
+    x, y = batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.step(lambda: [p.data.add_(p.grad, alpha=-LR) for p in model.parameters()])
+    assert_weights(model, reference_sgd_step(net(), x, y))
+
+
 @pytest.mark.parametrize("bad", ["avg", 3, None])
 def test_a_bad_loss_reduction_is_refused_before_anything_runs(bad):
     model = RoundPipe(net(), device="cpu")
@@ -318,12 +388,21 @@ def test_backward_on_the_returned_loss_names_forward_backward():
     model = RoundPipe(net(), device="cpu")
     x, y = batch()
     loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
-    assert loss.requires_grad and loss.dtype == torch.float32 and loss.dim() == 0
+    assert not loss.requires_grad and loss.dtype == torch.float32 and loss.dim() == 0
     with pytest.raises(RuntimeError, match="forward_backward"):
         loss.backward()
     with pytest.raises(RuntimeError, match="forward_backward"):
         (loss * 2).backward()
-    assert isinstance(loss.item(), float) and loss.detach().numpy().shape == ()
+    # otherwise a plain detached tensor: what loops do with losses keeps working
+    import numpy as np
+    assert isinstance(loss.item(), float) and loss.numpy().shape == ()
+    assert f"{loss:.3f}" == f"{loss.item():.3f}"
+    assert np.mean([loss, loss]) == pytest.approx(loss.item())
+    running = 0.0
+    for _ in range(3):
+        running += loss
+    assert not running.requires_grad and running.grad_fn is None
+    assert copy.deepcopy(loss).item() == loss.item()
 
 
 def test_backward_from_model_outputs_in_training_names_forward_backward():
@@ -332,11 +411,38 @@ def test_backward_from_model_outputs_in_training_names_forward_backward():
     out = model(x)
     with pytest.raises(RuntimeError, match="forward_backward"):
         F.mse_loss(out, y).backward()
-    with torch.no_grad():
-        assert not model(x).requires_grad
-    model.eval()
-    assert not model(x).requires_grad
+    with pytest.raises(RuntimeError, match="forward_backward"):
+        out.sum().backward()
     torch.testing.assert_close(out.detach(), net()(x), rtol=1e-6, atol=1e-6)
+    out.add_(1.0)                                  # in-place, .numpy(), deepcopy: as before
+    out[:, 0] = 0.0
+    assert out.numpy().shape == (12, 3) and copy.deepcopy(out).shape == (12, 3)
+    with torch.no_grad():
+        assert type(model(x)) is torch.Tensor
+    model.eval()
+    assert type(model(x)) is torch.Tensor
+
+
+def test_a_roundpipe_teacher_in_training_mode_feeds_a_students_loss():
+    """Distillation: a frozen teacher's outputs (it trains nothing) in the loss of a RoundPipe
+    student and of a plain PyTorch student: both train as with a plain teacher."""
+    teacher = RoundPipe(net().requires_grad_(False), device="cpu")   # left in training mode
+    plain_teacher = net()
+    torch.manual_seed(1)
+    student = nn.Sequential(nn.Linear(6, 3))
+    ref = copy.deepcopy(student)
+    wrapped = RoundPipe(copy.deepcopy(student), optim_dtype=torch.float32, device="cpu",
+                        num_microbatch=2)
+    opt = rpo.SGD(wrapped.optim_parameters(), lr=LR)
+    x, _ = batch()
+    wrapped.forward_backward(input_args=(x,), label=x, loss_fn=lambda o, t: F.mse_loss(o, teacher(t)))
+    wrapped.step(opt)
+    F.mse_loss(ref(x), plain_teacher(x)).backward()
+    torch.optim.SGD(ref.parameters(), lr=LR).step()
+    assert_weights(wrapped, ref)
+    plain = copy.deepcopy(student)                       # a plain student, RoundPipe teacher
+    F.mse_loss(plain(x), teacher(x)).backward()
+    assert plain[0].weight.grad is not None
 
 
 def test_grad_scaler_scale_backward_names_forward_backward():

@@ -3,8 +3,12 @@ without a word:
 
 - ``loss.backward()`` on the loss :meth:`RoundPipe.forward_backward` returned (its backward
   already ran), or on a loss computed from :meth:`RoundPipe.forward`'s outputs in training
-  mode (the pipeline ran without autograd): those tensors carry a grad function whose
-  backward raises an error naming ``forward_backward`` (:func:`finished`);
+  mode (the pipeline ran without autograd): those tensors are :class:`Finished` tensors, whose
+  ``backward()`` raises an error naming ``forward_backward`` instead of torch's generic "does
+  not require grad" (:func:`finished`). They are otherwise plain detached tensors (``.numpy()``,
+  ``+=``, in-place ops, ``copy.deepcopy``, formatting all work), and what is computed from them
+  stays a ``Finished`` tensor, so ``F.mse_loss(model(x), y).backward()`` and
+  ``scaler.scale(loss).backward()`` raise the same way;
 - ``opt.step()`` outside ``model.step(opt)`` on an optimizer over a RoundPipe's optimizer
   copies: their gradients are held by the wrapper until ``model.step``, so the step would
   change nothing and the gradients would keep accumulating; and stepping, anywhere, an
@@ -33,31 +37,39 @@ _BACKWARD_MESSAGE = (
     "backpropagated, read it with loss.item()")
 
 
-class _Finished(torch.autograd.Function):
-    """Identity whose backward raises :data:`_BACKWARD_MESSAGE`."""
+class Finished(torch.Tensor):
+    """A tensor that came out of a RoundPipe call without a graph (the loss
+    ``forward_backward`` returned, ``model(x)`` in training mode): ``backward()`` on it, or on
+    anything computed from it that does not require grad, raises ``RuntimeError`` naming
+    ``forward_backward`` (the habit of a plain loop would otherwise fail with torch's generic
+    message, or, for a loss, train nothing). Where a result does require grad (it also depends
+    on a plain model's parameters, e.g. a frozen RoundPipe teacher's output in a plain
+    student's loss) ``backward()`` is torch's. Every other operation is a plain tensor's, and
+    its results are ``Finished`` tensors too (``__torch_function__``)."""
 
-    @staticmethod
-    def forward(ctx, x, anchor):
-        return x.view_as(x)
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        if not self.requires_grad:
+            raise RuntimeError(_BACKWARD_MESSAGE)
+        return super().backward(*args, **kwargs)
 
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(_BACKWARD_MESSAGE)
+    def __deepcopy__(self, memo: dict) -> "Finished":
+        return self.clone()
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0:  # f"{loss:.3f}", as for a plain 0-dim tensor
+            return self.item().__format__(spec)
+        return torch.Tensor.__format__(self.as_subclass(torch.Tensor), spec)
 
 
 def finished(t: Any) -> Any:
-    """``t`` (a tensor, or a tree of them) with ``requires_grad=True`` and a grad function
-    whose backward raises an error that names ``forward_backward``. Values, dtypes, devices
-    and memory are ``t``'s (a view, no copy). Non-floating tensors are returned as they are
-    (they cannot require grad)."""
+    """``t`` (a tensor, or a tree of them) with each floating tensor viewed as a
+    :class:`Finished` tensor (the same memory, dtype and device: no copy); other leaves are
+    returned as they are."""
     from torch.utils._pytree import tree_map
 
-    anchor = torch.empty(0, requires_grad=True)
-
     def wrap(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad:
-            with torch.enable_grad():
-                return _Finished.apply(x, anchor)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not isinstance(x, Finished):
+            return x.detach().as_subclass(Finished)
         return x
 
     return tree_map(wrap, t)

@@ -9,6 +9,8 @@ is a function with the signature of :func:`split_microbatches`, given to ``Round
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Optional
 
 import torch
@@ -67,8 +69,9 @@ def loss_shares(microbatches: list[Microbatch], reduction: Any,
 
     Args:
         microbatches: ``(args, kwargs, label)`` per microbatch.
-        reduction: ``"mean"``: rows (the leading dimension of a microbatch's first tensor with
-            a dimension, as :func:`split_microbatches` cuts them); ``"token_mean"``: the label's
+        reduction: ``"mean"``: rows (the leading dimension of the microbatch's label, or
+            without a label tensor of its first input tensor with a dimension, as
+            :func:`split_microbatches` cuts them); ``"token_mean"``: the label's
             elements not equal to ``ignore_index`` (a label aligned with the output, as
             ``F.cross_entropy(..., ignore_index=-100)`` counts them); a callable: its result on
             each microbatch's label (an int or a 0-dim tensor), e.g. a count of shifted
@@ -81,7 +84,7 @@ def loss_shares(microbatches: list[Microbatch], reduction: Any,
 
     Raises:
         ValueError: ``"mean"`` with several microbatches of which one has no tensor with a
-            batch dimension (a custom ``split_fn``); a count that is negative.
+            batch dimension (a custom ``split_fn``); a count that is negative, inf or NaN.
         TypeError: ``"token_mean"`` with a label that is not a tensor; a callable returning
             something else than a number.
     """
@@ -90,7 +93,11 @@ def loss_shares(microbatches: list[Microbatch], reduction: Any,
     counts = []
     for i, (args, kwargs, label) in enumerate(microbatches):
         if reduction == "mean":
-            count = batch_size((args, kwargs, label))
+            # the label's rows first: what a mean loss averages over (an input passed whole to
+            # every microbatch by a custom split_fn may come first among the inputs)
+            count = batch_size(label)
+            if count is None:
+                count = batch_size((args, kwargs))
             if count is None:
                 if len(microbatches) == 1:
                     return None
@@ -108,11 +115,13 @@ def loss_shares(microbatches: list[Microbatch], reduction: Any,
             count = reduction(label)
             if isinstance(count, torch.Tensor) and count.numel() == 1:
                 count = count.item()
-            if isinstance(count, bool) or not isinstance(count, (int, float)):
+            if isinstance(count, bool) or not isinstance(count, numbers.Real):
                 raise TypeError("loss_reduction: the callable must return a microbatch's number "
                                 f"of items (a number), got {type(count).__name__}")
-        if count < 0:
-            raise ValueError(f"loss_reduction: microbatch {i} counts {count} items (must be >= 0)")
+            count = float(count)
+        if not (math.isfinite(count) and count >= 0):
+            raise ValueError(f"loss_reduction: microbatch {i} counts {count} items (must be a "
+                             "finite number >= 0)")
         counts.append(count)
     total = sum(counts)
     if total == 0:

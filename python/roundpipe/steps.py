@@ -78,6 +78,11 @@ def snapshot(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
          for k, v in g.items()}
         for g in opt.param_groups]
     twin.__dict__.pop("_group_index_cache", None)
+    # instance attributes wrapping the live optimizer's methods (an LR scheduler's step
+    # counter, hook_optimizer's waiting zero_grad) would step the live optimizer with the
+    # hyperparameters of later: the twin uses its class's methods
+    twin.__dict__.pop("step", None)
+    twin.__dict__.pop("zero_grad", None)
     return twin
 
 
@@ -554,14 +559,19 @@ class Steps:
                         g.mul_(coef)
         for o, g in zip(copies.optim, grads):  # a torch optimizer's .grad: the param's dtype
             o.grad = g if g is None or g.dtype == o.dtype else g.to(o.dtype)
-        before = [(o, o._version) for o, g in zip(copies.optim, grads) if g is not None]
+        # what tells whether the step changed anything: version counters, and one value per
+        # tensor for writes through .data (which no version counter sees)
+        before = ([] if self._warned_idle else
+                  [(o, o._version, o.detach().reshape(-1)[:1].clone())
+                   for o, g in zip(copies.optim, grads) if g is not None])
         try:
             with OptimizerCtx(), guards.inside_step():
                 result = plan.fn()
         finally:
             for o in copies.optim:
                 o.grad = None
-        if before and not self._warned_idle and all(o._version == v for o, v in before):
+        if before and all(o._version == v and torch.equal(o.detach().reshape(-1)[:1], first)
+                          for o, v, first in before):
             self._warned_idle = True
             warnings.warn(
                 "RoundPipe.step: the step function changed none of the optimizer copies that "

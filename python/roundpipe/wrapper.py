@@ -443,10 +443,11 @@ class RoundPipe(nn.Module):
         by them): the call runs eagerly, with a warning. Compile the layers before wrapping
         them instead (see the README, "torch.compile").
 
-        In training mode with gradients enabled, the floating outputs have
-        ``requires_grad=True`` and a grad function whose backward raises an error naming
-        :meth:`forward_backward` (training runs through it: this pass keeps no graph); under
-        ``torch.no_grad()`` or in eval mode they are plain tensors."""
+        In training mode with gradients enabled, the floating outputs are
+        :class:`roundpipe.guards.Finished` tensors (the same memory): ``.backward()`` from
+        them raises an error naming :meth:`forward_backward` (training runs through it: this
+        pass keeps no graph); under ``torch.no_grad()`` or in eval mode they are plain
+        tensors."""
         if torch.compiler.is_compiling():  # traced by torch.compile: run eagerly, say so
             return _uncompiled()(self, args, num_microbatch, kwargs)
         with self._call("forward"):
@@ -503,10 +504,10 @@ class RoundPipe(nn.Module):
         models wrapped by :func:`roundpipe.wrap_model_to_roundpipe` without ``loss_fn`` keep
         HF's token mean over the whole batch.
 
-        The returned loss has ``requires_grad=True`` and a grad function whose backward raises
-        (the backward already ran in this call: ``loss.backward()`` is the habit of a plain
-        loop, and would otherwise fail with torch's generic message); read it with
-        ``.item()`` / ``float()`` or ``.detach()``.
+        The returned loss is a :class:`roundpipe.guards.Finished` tensor: detached, and its
+        ``backward()`` raises an error naming this method (the backward already ran in this
+        call: ``loss.backward()`` is the habit of a plain loop, and would otherwise fail with
+        torch's generic message); ``.item()``, ``.numpy()``, ``+=`` work as on any tensor.
 
         Gradients: each stage's parameter gradients are summed over the call's microbatches on
         its device (fp32, in microbatch order) and downloaded once; on the host they
@@ -537,7 +538,9 @@ class RoundPipe(nn.Module):
         :meth:`step`); the returned loss is not scaled. Pass the same scaler to :meth:`step`.
 
         Returns:
-            The summed loss (0-dim tensor on the host, detached), or ``(loss, outputs)`` with
+            The loss of the batch (weighted as ``loss_reduction`` says: by default the whole
+            batch's mean; a 0-dim float32 :class:`~roundpipe.guards.Finished` tensor on the
+            host, detached), or ``(loss, outputs)`` with
             ``return_outputs=True`` (outputs merged over microbatches, on the host).
 
         Args (besides the batch): ``max_grad_norm``, ``norm_type``, ``error_if_nonfinite``:

@@ -205,7 +205,8 @@ class RoundPipeTrainerMixin:
         if args.fp16 and args.bf16:
             raise ValueError("RoundPipeTrainer: fp16=True and bf16=True together")
         if args.optim not in _SUPPORTED_OPTIM:
-            raise ValueError(f"RoundPipeTrainer: optim={args.optim!r} is not supported; "
+            name = getattr(args.optim, "value", args.optim)  # OptimizerNames is a str enum
+            raise ValueError(f"RoundPipeTrainer: optim={name!r} is not supported; "
                              f"supported: {', '.join(_SUPPORTED_OPTIM)} (roundpipe.optim.AdamW, "
                              "Adafactor, SGD), or pass optimizers=(opt, None) with an optimizer "
                              "built on model.optim_parameters()")
