@@ -20,6 +20,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 
+def write_json(path: str, result: Any) -> None:
+    """Saves a benchmark's ``result`` (its configuration and every repeat's values) as JSON
+    at ``path`` (``--json``) and says so."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
     try:

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 
 import torch
 
-from . import (MIN_REPEATS, Figure, interleave, paired_ratio, positive_int, repeats_arg,
+from . import (write_json, MIN_REPEATS, Figure, interleave, paired_ratio, positive_int, repeats_arg,
                timed, writable_path)
 
 LEGEND = """\
@@ -157,9 +156,7 @@ def main(argv=None) -> None:
               f"{'yes' if r['same_tokens'] else 'NO':>6}{r['weight_bytes']:>12.0f}"
               f"{r['weight_floor_bytes']:>12.0f}{r['kv_bytes']:>11.0f}{r['kv_floor_bytes']:>11.0f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

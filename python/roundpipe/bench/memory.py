@@ -31,15 +31,13 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
-from . import Figure, MIN_REPEATS, interleave, positive_int, repeats_arg, timed, writable_path
+from . import write_json, Figure, MIN_REPEATS, interleave, positive_int, repeats_arg, timed, writable_path
 
 
 @dataclass(frozen=True)
@@ -287,9 +285,7 @@ def main(argv=None) -> None:
         conv = result.get("convergence", {})
         for m in conv.values():
             m.pop("sample", None)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
 
 
 def format_table(result: dict, configs: list[Config]) -> str:

@@ -37,7 +37,6 @@ asleep, not spinning, when the step returns).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -46,7 +45,7 @@ import torch
 import roundpipe.optim as rpo
 from roundpipe import _C
 
-from . import (MIN_REPEATS, Figure, available_cpus, compare, human, interleave, paired_ratio,
+from . import (write_json, MIN_REPEATS, Figure, available_cpus, compare, human, interleave, paired_ratio,
                positive_float, positive_int, repeats_arg, timed, writable_path)
 from . import peers as peer_table
 from .cpu import cpu_model
@@ -400,9 +399,7 @@ def main(argv=None) -> None:
     print(f"512x512 matmul: {alone.text(3)} ms alone, {after.text(3)} ms right after a RoundPipe "
           "step: " + compare(ratio, "the time alone"))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     wrong = (result["peers"] or {}).get("wrong")
     if wrong:
         raise SystemExit("WRONG results (parameters differ from torch.optim's beyond the "

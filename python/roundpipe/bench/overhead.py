@@ -22,7 +22,6 @@ calls each; a round ends with ``synchronize()``):
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from torch import nn
@@ -30,7 +29,7 @@ from torch import nn
 import roundpipe.optim as rpo
 from roundpipe import RoundPipe
 
-from . import (MIN_REPEATS, Figure, interleave, paired_ratio, positive_int,
+from . import (write_json, MIN_REPEATS, Figure, interleave, paired_ratio, positive_int,
                repeats_arg, thread_plan, timed, writable_path)
 
 LEGEND = """\
@@ -156,9 +155,7 @@ def main(argv=None) -> None:
         print(f"{r['contender']:<13}{Figure.from_dict(r['ms_per_call']).text(3):>26}{over:>28}"
               f"{ratio:>22}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":
