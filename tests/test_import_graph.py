@@ -167,3 +167,21 @@ def test_the_optimizers_import_only_the_extension_and_host_buffers():
     outside = sorted(m for m in reached if not m.startswith("roundpipe.optim")
                      and m not in ("roundpipe._C", "roundpipe.host_buffers"))
     assert not outside, outside
+
+
+def test_import_roundpipe_optim_loads_only_the_optimizers():
+    """What a fresh interpreter loads for ``import roundpipe.optim``: the package face, the C++
+    extension, the host buffers and the optimizers, nothing else of roundpipe (no wrapper,
+    pipeline, Hugging Face or checkpoint module)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, roundpipe.optim\n"
+            "print(sorted(m for m in sys.modules if m.startswith('roundpipe')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded = eval(out.stdout)  # a printed list of module names
+    assert "roundpipe.optim.adam" in loaded
+    others = [m for m in loaded if m not in ("roundpipe", "roundpipe._C", "roundpipe.host_buffers")
+              and not m.startswith("roundpipe.optim")]
+    assert not others, others
