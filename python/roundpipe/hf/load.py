@@ -1,0 +1,326 @@
+"""Loading a Hugging Face causal LM for RoundPipe without its full-precision weights in host
+memory: :func:`from_pretrained`.
+
+The model is built on the meta device (``accelerate.init_empty_weights``: parameters take no
+memory, buffers such as rotary tables are computed as usual), every checkpoint name and shape is
+checked against it before a weight is read, and then the safetensors files are read one tensor
+at a time (``safetensors.safe_open``; each tensor's file is opened for it alone, so that the
+memory map, whose touched pages count as resident, is released with the tensor): a frozen
+``nn.Linear`` weight goes straight into a :class:`~roundpipe.quant.QuantizedLinear` and its
+dense values are dropped; every other tensor becomes the model's parameter as read (cast to the
+parameter's dtype), with no second copy. Peak host memory while loading: the model as it ends up
+(quantized base, the rest in the model dtype) + the largest tensor being read and the
+quantizer's temporaries + fixed costs (the interpreter, torch, transformers).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..quant import FROZEN_DTYPES, QuantizedLinear, check_frozen_dtype, frozen_linears
+
+WHO = "roundpipe.hf.from_pretrained"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# LoRA initialisations that leave the base weight alone (the others rewrite it, which a
+# quantized base cannot take)
+_PLAIN_LORA_INITS = (True, False, "gaussian")
+
+
+def checkpoint_files(path: str) -> dict[str, list[str]]:
+    """The safetensors files of the checkpoint in directory ``path`` and the tensor names each
+    holds: ``{file path: [names]}``, from ``model.safetensors.index.json`` (sharded) or
+    ``model.safetensors``.
+
+    Raises:
+        ValueError: ``path`` is not a directory, or has no safetensors weights (e.g. only
+            ``pytorch_model.bin``), or its index has no ``weight_map``.
+        FileNotFoundError: a shard the index names is missing (the message names it).
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        raise ValueError(f"{WHO}: path must be a local directory holding a saved model "
+                         f"(config.json + safetensors), got {path!r}")
+    path = os.fspath(path)
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{WHO}: path: {index} has no weight_map")
+        files: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            files.setdefault(os.path.join(path, shard), []).append(name)
+        for shard in files:
+            if not os.path.isfile(shard):
+                raise FileNotFoundError(f"{WHO}: path: the shard {os.path.basename(shard)!r} "
+                                        f"that {INDEX} names is missing from {path}")
+        return files
+    single = os.path.join(path, SINGLE)
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {single: list(f.keys())}
+    raise ValueError(f"{WHO}: path: {path} has no {SINGLE} or {INDEX} (only safetensors "
+                     "checkpoints are read; re-save a .bin checkpoint with save_pretrained)")
+
+
+def _check_peft_config(peft_config: Any, frozen_dtype: Optional[str]) -> None:
+    if peft_config is None:
+        if frozen_dtype is not None:
+            raise ValueError(f"{WHO}: frozen_dtype={frozen_dtype!r} needs a peft_config: the "
+                             "quantized base is frozen, so without adapters nothing would train "
+                             "(pass e.g. peft.LoraConfig(...), or frozen_dtype=None for a full "
+                             "model)")
+        return
+    import peft
+
+    if not isinstance(peft_config, peft.PeftConfig):
+        raise TypeError(f"{WHO}: peft_config must be a peft.PeftConfig (e.g. peft.LoraConfig), "
+                        f"got {type(peft_config).__name__}")
+    if frozen_dtype is None:
+        return
+    if peft_config.peft_type != peft.PeftType.LORA:
+        raise ValueError(f"{WHO}: frozen_dtype={frozen_dtype!r} takes a LoRA peft_config; got "
+                         f"{peft_config.peft_type}")
+    init = getattr(peft_config, "init_lora_weights", True)
+    if not any(init is v or (isinstance(v, str) and init == v) for v in _PLAIN_LORA_INITS):
+        raise ValueError(f"{WHO}: peft_config.init_lora_weights={init!r} rewrites the base "
+                         f"weights, which frozen_dtype={frozen_dtype!r} keeps quantized; use "
+                         "True, False or 'gaussian'")
+
+
+def _model_class(config: Any, path: str):
+    import transformers
+
+    if getattr(config, "quantization_config", None) is not None:
+        method = getattr(config.quantization_config, "quant_method", None) \
+            if not isinstance(config.quantization_config, dict) \
+            else config.quantization_config.get("quant_method")
+        raise ValueError(f"{WHO}: path: {path} holds a checkpoint already quantized "
+                         f"({method}); load the original full-precision checkpoint with "
+                         f"frozen_dtype={FROZEN_DTYPES[0]!r} or {FROZEN_DTYPES[1]!r}")
+    try:
+        return transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"{WHO}: path: the architecture {config.model_type!r} "
+                         f"({', '.join(getattr(config, 'architectures', None) or [])}) is not a "
+                         "causal LM transformers knows; not supported") from None
+
+
+def _plan(model: nn.Module, files: dict[str, list[str]], path: str) -> dict[str, str]:
+    """``{checkpoint name: file}`` of the names to load, checked against ``model`` (on the meta
+    device): every name is a parameter or persistent buffer of the same shape, and every
+    parameter (each group of tied ones) is given once.
+
+    Raises:
+        ValueError: a name the model does not have, a shape that differs, or a parameter the
+            checkpoint lacks (the message names up to five).
+    """
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    persistent = set(model.state_dict(keep_vars=True))
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+                                      or [])]
+    todo: dict[str, str] = {}
+    unexpected, wrong = [], []
+    for file, names in files.items():
+        with safe_open(file, framework="pt") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise ValueError(f"{WHO}: path: {os.path.basename(file)} lacks {name!r}, "
+                                     f"which {INDEX} places there")
+                target = params.get(name)
+                if target is None and name in buffers and name in persistent:
+                    target = buffers[name]
+                if target is None:
+                    if not any(p.search(name) for p in ignore):
+                        unexpected.append(name)
+                    continue
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(target.shape):
+                    wrong.append(f"{name} {shape} (the model's: {tuple(target.shape)})")
+                todo[name] = file
+    type_name = type(model).__name__
+    if unexpected:
+        raise ValueError(f"{WHO}: path: {path} does not match {type_name}: the checkpoint has "
+                         f"{len(unexpected)} tensor(s) the model has not, e.g. "
+                         f"{', '.join(unexpected[:5])} (a layout transformers converts while "
+                         "loading is not supported)")
+    if wrong:
+        raise ValueError(f"{WHO}: path: {path} does not match {type_name}: shapes differ for "
+                         f"{', '.join(wrong[:5])}")
+    groups: dict[int, list[str]] = {}
+    for name, p in params.items():
+        groups.setdefault(id(p), []).append(name)
+    missing = [names[0] for names in groups.values() if not any(n in todo for n in names)]
+    if missing:
+        raise ValueError(f"{WHO}: path: {path} lacks {len(missing)} parameter(s) of "
+                         f"{type_name}, e.g. {', '.join(missing[:5])}")
+    return todo
+
+
+def _split(name: str) -> tuple[str, str]:
+    module, _, attr = name.rpartition(".")
+    return module, attr
+
+
+def _load(model: nn.Module, todo: dict[str, str], quantized: set[str],
+          frozen_dtype: Optional[str]) -> None:
+    """Reads every tensor of ``todo`` into ``model`` (see the module docstring); the modules
+    named in ``quantized`` become :class:`QuantizedLinear` as their weight is read."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied: dict[int, list[str]] = {}
+    for name, p in params.items():
+        tied.setdefault(id(p), []).append(name)
+    parents: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in model.modules():
+        for child_name, child in parent._modules.items():
+            if child is not None:
+                parents.setdefault(id(child), []).append((parent, child_name))
+    done: set[int] = set()
+    for name, file in todo.items():
+        old = params.get(name)
+        if old is not None and id(old) in done:
+            continue  # a tied parameter already read under another name
+        with safe_open(file, framework="pt") as f:
+            t = f.get_tensor(name)  # memory-mapped: pages are read as they are used
+        module_name, attr = _split(name)
+        if old is None:  # a persistent buffer
+            with torch.no_grad():
+                model.get_buffer(name).copy_(t)
+            continue
+        done.add(id(old))
+        if module_name in quantized and attr == "weight":
+            linear = model.get_submodule(module_name)
+            linear.weight = nn.Parameter(t.to(old.dtype), requires_grad=False)
+            del t
+            new = QuantizedLinear(linear, frozen_dtype)
+            linear.weight = None
+            for parent, child_name in parents.get(id(linear), []):
+                parent._modules[child_name] = new
+            parents[id(new)] = parents.pop(id(linear), [])
+            continue
+        value = t.to(old.dtype, copy=True) if t.is_floating_point() else t.clone()
+        del t
+        new_param = nn.Parameter(value, requires_grad=old.requires_grad and value.is_floating_point())
+        for holder in tied[id(old)]:
+            mod, a = _split(holder)
+            model.get_submodule(mod)._parameters[a] = new_param
+    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if left:  # _plan covers every parameter; this guards the invariant
+        raise RuntimeError(f"{WHO}: parameters left unread: {', '.join(left[:5])}")
+
+
+def _modules_to_save(peft_config: Any) -> list[str]:
+    return list(getattr(peft_config, "modules_to_save", None) or []) if peft_config else []
+
+
+def from_pretrained(path: str, frozen_dtype: Optional[str] = None,
+                    torch_dtype: Optional[torch.dtype] = None, peft_config: Any = None,
+                    **roundpipe_kwargs: Any):
+    """Loads a transformers causal LM saved with ``save_pretrained`` (safetensors) straight
+    into RoundPipe, never holding its full-precision weights in host memory when
+    ``frozen_dtype`` is set.
+
+    Args:
+        path: a local directory with ``config.json`` and ``model.safetensors`` or a sharded
+            checkpoint (``model.safetensors.index.json`` and its shards).
+        frozen_dtype: ``"nf4"`` or ``"int8"``: every frozen ``nn.Linear`` of the base (all but
+            the output embeddings, tied weights and PEFT's ``modules_to_save``) is quantized as
+            its weight is read (see :mod:`roundpipe.quant`); needs ``peft_config`` (the base is
+            frozen, the adapters train). None: the base in ``torch_dtype``, one copy.
+        torch_dtype: the model dtype (what non-quantized parameters are kept in and quantized
+            weights are dequantized into on the device); None: ``config.dtype`` of the
+            checkpoint, else float32.
+        peft_config: a ``peft.PeftConfig`` (a ``LoraConfig`` with ``frozen_dtype``): the model
+            is returned as ``peft.get_peft_model(model, peft_config)``, the base frozen. None:
+            every parameter trains (``frozen_dtype`` must then be None).
+        **roundpipe_kwargs: passed to :func:`roundpipe.wrap_model_to_roundpipe` (``optim_dtype``,
+            ``device``, ``num_microbatch``, ``loss_chunk_size``, ...).
+
+    Returns:
+        the :class:`~roundpipe.hf.HFRoundPipe` wrapping the model (in eval mode, as
+        transformers' ``from_pretrained`` returns it; ``generation_config`` read from ``path``
+        when it has one).
+
+    Raises:
+        ValueError: ``path`` is not a directory, has no safetensors checkpoint or holds one
+            already quantized, an architecture that is not a transformers causal LM, tensor
+            names or shapes that do not match the model, or a parameter the checkpoint lacks;
+            a bad ``frozen_dtype`` / ``torch_dtype``; ``frozen_dtype`` without ``peft_config``,
+            with a non-LoRA one, or with an ``init_lora_weights`` that rewrites the base. All
+            before any weight is read.
+        FileNotFoundError: a shard the index names is missing.
+        TypeError: ``peft_config`` is not a ``peft.PeftConfig``; the model's layout is not one
+            RoundPipe splits (see :func:`roundpipe.wrap_model_to_roundpipe`), raised before any
+            weight is read.
+        everything :func:`roundpipe.wrap_model_to_roundpipe` raises.
+    """
+    check_frozen_dtype(frozen_dtype, WHO)
+    if torch_dtype is not None and not (isinstance(torch_dtype, torch.dtype)
+                                        and torch_dtype.is_floating_point):
+        raise ValueError(f"{WHO}: torch_dtype must be None or a floating torch.dtype, got "
+                         f"{torch_dtype!r}")
+    _check_peft_config(peft_config, frozen_dtype)
+    files = checkpoint_files(path)
+    import transformers
+    from accelerate import init_empty_weights
+
+    from .wrap import Parts, wrap_model_to_roundpipe
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    model_class = _model_class(config, path)
+    dtype = torch_dtype or (config.dtype if isinstance(getattr(config, "dtype", None),
+                                                       torch.dtype) else torch.float32)
+    with init_empty_weights():
+        model = model_class._from_config(config, dtype=dtype)
+    model.tie_weights()
+    Parts(model)  # the layout RoundPipe splits, refused now rather than after reading
+    todo = _plan(model, files, os.fspath(path))
+    quantized: set[str] = set()
+    if frozen_dtype is not None:
+        trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+        model.requires_grad_(False)
+        keep = _modules_to_save(peft_config)
+        quantized = {n for n in frozen_linears(model, frozen_dtype)
+                     if not any(n == k or n.endswith("." + k) for k in keep)}
+        for n, p in model.named_parameters():
+            p.requires_grad_(trainable[n])
+    _load(model, todo, quantized, frozen_dtype)
+    model.eval()
+    try:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass  # no generation_config.json: the one built from the config stays
+    if peft_config is not None:
+        model = _peft(model, peft_config, frozen_dtype)
+    return wrap_model_to_roundpipe(model, frozen_dtype=frozen_dtype, **roundpipe_kwargs)
+
+
+def _peft(model: nn.Module, peft_config: Any, frozen_dtype: Optional[str]) -> nn.Module:
+    """``peft.get_peft_model`` on the loaded model; with a quantized base, LoRA's ``Linear``
+    wraps each targeted :class:`QuantizedLinear` (registered on a copy of the config: the
+    caller's is left as it was), as it wraps an ``nn.Linear``."""
+    import peft
+
+    config = copy.deepcopy(peft_config)
+    if frozen_dtype is None:
+        return peft.get_peft_model(model, config)
+    config._register_custom_module({QuantizedLinear: peft.tuners.lora.Linear})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Unsupported layer type", category=UserWarning)
+        return peft.get_peft_model(model, config)
