@@ -5,8 +5,9 @@ Modules: ``wrap`` (finding the parts), ``layers`` (prefix, decoder layers, postf
 travels between them), ``loss`` (the chunked causal-LM loss), ``moe`` (routing kept for the
 recomputation, the whole-batch router auxiliary loss), ``model`` (:class:`HFRoundPipe`),
 ``save`` (``save_pretrained``), ``load`` (:func:`from_pretrained`: a safetensors checkpoint
-read tensor by tensor, its frozen base quantized as it is read), ``kv_cache`` (:class:`PipelineCache`, the KV cache of
-generation, a transformers ``Cache``), ``generate`` (``generate`` through the pipeline),
+read tensor by tensor, its frozen base quantized as it is read), ``kv_cache``
+(:class:`PipelineCache`, the KV cache of generation, a transformers ``Cache``), ``generate``
+(``generate`` through the pipeline),
 ``trainer`` (:class:`RoundPipeTrainer`, a transformers ``Trainer``) and ``sft``
 (:class:`RoundPipeSFTTrainer`, a TRL ``SFTTrainer``). transformers and peft are imported only
 when an HF model is wrapped (or ``PipelineCache`` is first read), the trainers (and trl) only
