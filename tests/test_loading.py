@@ -95,6 +95,17 @@ def test_lora_on_a_loaded_quantized_base_equals_peft_on_the_dequantized_base(tmp
         got = w.forward_backward(input_kwargs=batch)
         w.step(opt)
         torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-5)
+    # saved: the adapter as PEFT writes it, and merged into the dequantized base
+    w.save_pretrained(tmp_path / "adapter")
+    w.save_pretrained(tmp_path / "merged", merged=True)
+    ids = make_batch(1)["input_ids"]
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        back = peft.PeftModel.from_pretrained(dequantized_reference(tmp_path, kind)[0],
+                                              tmp_path / "adapter")
+        torch.testing.assert_close(back(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_full_model_loads_as_transformers_loads_it_with_tied_embeddings(tmp_path):

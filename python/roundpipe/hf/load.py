@@ -35,8 +35,7 @@ from ..quant import FROZEN_DTYPES, QuantizedLinear, check_frozen_dtype, frozen_l
 WHO = "roundpipe.hf.from_pretrained"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# LoRA initialisations that leave the base weight alone (the others rewrite it, which a
-# quantized base cannot take)
+# LoRA initialisations that do not read the base weights (made before they are read)
 _PLAIN_LORA_INITS = (True, False, "gaussian")
 
 
@@ -102,6 +101,15 @@ def _check_peft_config(peft_config: Any, frozen_dtype: Optional[str]) -> None:
         raise ValueError(f"{WHO}: peft_config.{what} computes the adapters from the base "
                          "weights, which are read after the adapters are made; use "
                          "init_lora_weights True, False or 'gaussian' without DoRA")
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    """The checkpoint's dtype as its config records it (``dtype``, or ``torch_dtype`` of older
+    configs), float32 when it records none."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
 def _model_class(config: Any, path: str):
@@ -325,12 +333,10 @@ def from_pretrained(path: str, frozen_dtype: Optional[str] = None,
 
     config = transformers.AutoConfig.from_pretrained(path)
     model_class = _model_class(config, path)
-    dtype = torch_dtype or (config.dtype if isinstance(getattr(config, "dtype", None),
-                                                       torch.dtype) else torch.float32)
+    dtype = torch_dtype or _config_dtype(config)
     with init_empty_weights():
         model = model_class._from_config(config, dtype=dtype)
     model.tie_weights()
-    Parts(model)  # the layout RoundPipe splits, refused now rather than after reading
     holders = _placeholders(model)
     wrapped = model
     if peft_config is not None:
@@ -338,6 +344,7 @@ def from_pretrained(path: str, frozen_dtype: Optional[str] = None,
 
         wrapped = peft.get_peft_model(model, copy.deepcopy(peft_config))
         holders = _placeholder_names(model, set(holders))  # under the names PEFT gave them
+    Parts(model)  # the layout RoundPipe splits, refused now rather than after reading
     todo = _plan(model, holders, files, os.fspath(path))
     quantized = set(frozen_linears(model, frozen_dtype)) if frozen_dtype is not None else set()
     _load(model, holders, todo, quantized, frozen_dtype)
