@@ -124,6 +124,22 @@ def test_a_full_model_loads_as_transformers_loads_it_with_tied_embeddings(tmp_pa
                                    rtol=0, atol=0)
 
 
+def test_a_loaded_quantized_base_is_not_quantized_again_nor_in_another_format(tmp_path):
+    save_llama(tmp_path)
+    w = roundpipe.hf.from_pretrained(tmp_path, frozen_dtype="int8", peft_config=lora(),
+                                     device="cpu")
+    model = w.peft_model
+    codes = {n: m.weight_codes.clone() for n, m in model.named_modules()
+             if isinstance(m, roundpipe.quant.QuantizedLinear)}
+    with pytest.raises(ValueError, match=r"already quantized as \['int8'\]"):
+        roundpipe.wrap_model_to_roundpipe(model, device="cpu", frozen_dtype="nf4")
+    again = roundpipe.wrap_model_to_roundpipe(model, device="cpu", frozen_dtype="int8")
+    assert again.frozen_dtype == "int8"
+    assert {n: m.weight_codes for n, m in model.named_modules()
+            if isinstance(m, roundpipe.quant.QuantizedLinear)}.keys() == codes.keys()
+    assert all(torch.equal(model.get_submodule(n).weight_codes, c) for n, c in codes.items())
+
+
 def test_errors_name_the_argument_before_anything_is_read(tmp_path):
     save_llama(tmp_path / "m")
     good = tmp_path / "m"

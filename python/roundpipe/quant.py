@@ -256,8 +256,9 @@ def quantize_frozen_linears(model: nn.Module, frozen_dtype: str,
     Raises:
         ValueError: ``frozen_dtype`` unknown; a name in ``modules`` is not an ``nn.Linear`` of
             ``model``, or its weight requires grad, or is tied; ``modules`` is None and no
-            frozen linear is found (forgetting to freeze the base would quantize nothing).
-            Raised before anything is modified.
+            frozen linear is found (forgetting to freeze the base would quantize nothing),
+            unless some are quantized already (``roundpipe.hf.from_pretrained``'s models);
+            linears quantized already in another format. Raised before anything is modified.
     """
     found = dict(model.named_modules(remove_duplicate=False))
     todo = frozen_linears(model, frozen_dtype, modules)
