@@ -39,8 +39,8 @@ def test_loading_rows_run_and_write_json(tmp_path):
     out = tmp_path / "loading.json"
     r = subprocess.run(
         [sys.executable, "-m", "roundpipe.bench", "memory", "--skip-memory", "--skip-speed",
-         "--skip-convergence", "--load-layers", "2", "--load-hidden", "128", "--load-kinds", "nf4", "bf16", "--json",
-         str(out)],
+         "--skip-convergence", "--load-layers", "2", "--load-hidden", "128", "--load-kinds",
+         "nf4", "bf16", "--json", str(out)],
         capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| base | peak RSS increase / bf16 size | after loading / bf16 size |" in r.stdout

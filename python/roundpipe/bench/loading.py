@@ -65,6 +65,7 @@ def save_checkpoint(path: pathlib.Path, layers: int, hidden: int, vocab: int = 1
         max_position_embeddings=64)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(path, max_shard_size=shard)
     return sum(f.stat().st_size for f in pathlib.Path(path).glob("*.safetensors"))
 

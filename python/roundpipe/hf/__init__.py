@@ -23,7 +23,8 @@ _LAZY = {"PipelineCache": "kv_cache", "RoundPipeTrainer": "trainer",
          "RoundPipeTrainerMixin": "trainer", "RoundPipeSFTTrainer": "sft"}
 
 __all__ = ["HFRoundPipe", "PipelineCache", "RoundPipeSFTTrainer", "RoundPipeTrainer",
-           "RoundPipeTrainerMixin", "chunked_cross_entropy_sum", "from_pretrained", "wrap_model_to_roundpipe"]
+           "RoundPipeTrainerMixin", "chunked_cross_entropy_sum", "from_pretrained",
+           "wrap_model_to_roundpipe"]
 
 
 def __getattr__(name: str):

@@ -264,7 +264,8 @@ def _load(model: nn.Module, holders: dict[int, list[str]],
                 parents[id(new)] = parents.pop(id(linear), [])
                 continue
             value = t.to(old.dtype, copy=True) if t.is_floating_point() else t.clone()
-            param = nn.Parameter(value, requires_grad=old.requires_grad and value.is_floating_point())
+            param = nn.Parameter(value,
+                                 requires_grad=old.requires_grad and value.is_floating_point())
             for name in names:
                 mod, a = _split(name)
                 model.get_submodule(mod)._parameters[a] = param
