@@ -32,7 +32,8 @@ from .grad_scaler import GradScaler
 from .host_buffers import tune_malloc
 from .param_copies import ParamCopies
 from .pipeline.execute import draw_call_seed, in_layer
-from .quant import check_frozen_dtype, frozen_linears, quantize_frozen_linears
+from .quant import (check_frozen_dtype, frozen_linears, quantize_frozen_linears,
+                    refuse_foreign_quantization)
 from .pipeline.run import Layout, Pass
 from .pipeline.stage import AutocastState, PassSpec
 from .threads import Worker, check_not_forked
@@ -153,6 +154,7 @@ class RoundPipe(nn.Module):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be an nn.Module, got {type(model).__name__}")
+        refuse_foreign_quantization(model, "RoundPipe")
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.device.type != "cpu":
                 raise ValueError(f"RoundPipe: {name!r} is on {t.device}; the model must be on "
