@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "dequant.hpp"
 #include "roundpipe/optim.hpp"
 #include "step_plan.hpp"
 #include "tensors.hpp"
@@ -265,6 +266,8 @@ NB_MODULE(_C, m) {
     });
   }, nb::arg("src"), nb::arg("seed"), nb::arg("dst"),
      "roundpipe::round_bf16_stochastic: float32 `src` into bfloat16 `dst`, stream `seed`.");
+
+  def_dequant(m);  // quantized weights (dequant.hpp)
 
   m.def("supported_isas", [] {
     std::vector<std::string> out;

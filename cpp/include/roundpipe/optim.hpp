@@ -9,6 +9,7 @@
 #include "roundpipe/asgd.hpp"
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/compact.hpp"
+#include "roundpipe/dequant.hpp"
 #include "roundpipe/error.hpp"
 #include "roundpipe/isa.hpp"
 #include "roundpipe/nadam.hpp"
