@@ -1,7 +1,9 @@
 // roundpipe._C.dequantize_nf4 / dequantize_int8 (roundpipe/dequant.hpp): the CPU path of
 // python/roundpipe/quant.py's dequantize. The tensors arrive through DLPack (nanobind ndarray):
-// each must be a CPU, C-contiguous tensor of the named dtype, or a TypeError names the argument;
-// sizes that do not fit are a ValueError. Both checks come before anything is written.
+// each must be a CPU, C-contiguous tensor of the named dtype, or a TypeError names the argument
+// (noconvert: nanobind would otherwise hand a strided `out` over as a contiguous copy, and the
+// values written would be lost); sizes that do not fit are a ValueError. Both checks come before
+// anything is written.
 #pragma once
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -60,7 +62,7 @@ void def_dequant(nanobind::module_& m) {
       roundpipe::dequantize_nf4(static_cast<const std::uint8_t*>(codes.data()),
                                 static_cast<const float*>(absmax.data()), n, dtype, out.data());
     });
-  }, nb::arg("codes"), nb::arg("absmax"), nb::arg("out"),
+  }, nb::arg("codes").noconvert(), nb::arg("absmax").noconvert(), nb::arg("out").noconvert(),
      "roundpipe::dequantize_nf4: out[i] = NF4[nibble i of codes] * absmax[i // WEIGHT_BLOCK]\n"
      "(high nibble first), float32 product rounded to out's dtype. codes: uint8, >= ceil(n/2)\n"
      "values; absmax: float32, >= ceil(n/WEIGHT_BLOCK); out: float32, bfloat16 or float16, n\n"
@@ -76,7 +78,7 @@ void def_dequant(nanobind::module_& m) {
       roundpipe::dequantize_int8(static_cast<const std::int8_t*>(codes.data()),
                                  static_cast<const float*>(scale.data()), n, dtype, out.data());
     });
-  }, nb::arg("codes"), nb::arg("scale"), nb::arg("out"),
+  }, nb::arg("codes").noconvert(), nb::arg("scale").noconvert(), nb::arg("out").noconvert(),
      "roundpipe::dequantize_int8: out[i] = codes[i] * scale[i // WEIGHT_BLOCK], float32 product\n"
      "rounded to out's dtype. codes: int8, >= n values; scale: float32, >= ceil(n/WEIGHT_BLOCK);\n"
      "out: float32, bfloat16 or float16, n values; all CPU and C-contiguous.");
