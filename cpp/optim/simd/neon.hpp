@@ -102,7 +102,9 @@ struct Vec {
     static const std::uint8_t byte[16] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
     const uint8x16_t lane = vqtbl1q_u8(vcombine_u8(nib, nib), vld1q_u8(spread));
     const uint8x16_t idx = vaddq_u8(vshlq_n_u8(lane, 2), vld1q_u8(byte));
-    const uint8x16x4_t t = vld1q_u8_x4(reinterpret_cast<const std::uint8_t*>(table));
+    const std::uint8_t* bytes = reinterpret_cast<const std::uint8_t*>(table);
+    const uint8x16x4_t t = {{vld1q_u8(bytes), vld1q_u8(bytes + 16), vld1q_u8(bytes + 32),
+                             vld1q_u8(bytes + 48)}};
     return {vreinterpretq_f32_u8(vqtbl4q_u8(t, idx))};
   }
   static Vec load_i8(const std::int8_t* p) {

@@ -37,11 +37,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of these rows, on ``python -m roundpipe.bench memory``'s parser."""
     ap.add_argument("--skip-lora", action="store_true",
                     help="skip the LoRA rows (bf16 / int8 / NF4 frozen base)")
-    ap.add_argument("--lora-hidden", type=positive_int, default=512,
-                    help="hidden size of the LoRA rows' Llama model (default 512)")
-    ap.add_argument("--lora-layers", type=positive_int, default=4)
-    ap.add_argument("--lora-seq", type=positive_int, default=128,
-                    help="tokens per sequence of a training batch (4 sequences)")
+    ap.add_argument("--lora-hidden", type=positive_int, default=256,
+                    help="hidden size of the LoRA rows' Llama model (default 256)")
+    ap.add_argument("--lora-layers", type=positive_int, default=2)
+    ap.add_argument("--lora-seq", type=positive_int, default=64,
+                    help="tokens per sequence of a training batch (4 sequences; default 64)")
     ap.add_argument("--dequant-values", type=positive_int, default=16 * 1024 * 1024,
                     help="values of the weight the dequantization is timed on (default 16M)")
 
