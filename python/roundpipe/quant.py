@@ -203,7 +203,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, frozen_dtype: str,
     ``roundpipe._C`` (``dequantize_nf4`` / ``dequantize_int8``, ``cpp/include/roundpipe/
     dequant.hpp``: runtime-dispatched AVX-512 / AVX2 / NEON / scalar, on the worker pool for
     big tensors when it is idle); elsewhere (CUDA) torch ops on the device. Both give the same
-    bits (tests/test_quantized.py). ``"nf4-dq"`` first expands the absmax
+    bits (tests/test_dequant.py). ``"nf4-dq"`` first expands the absmax
     (:func:`expand_absmax`, torch ops: 1/64 of the values)."""
     n = 1
     for s in shape:
@@ -213,7 +213,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, frozen_dtype: str,
     if codes.device.type == "cpu" and dtype in _C_DTYPES:
         out = torch.empty(tuple(shape), dtype=dtype)
         fn = _C.dequantize_int8 if frozen_dtype == "int8" else _C.dequantize_nf4
-        fn(codes.detach(), scales.detach(), out)
+        fn(codes.detach().contiguous(), scales.detach().contiguous(), out)
         return out
     return dequantize_torch(codes, scales, frozen_dtype, shape, dtype)
 
