@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "roundpipe/optim.hpp"
+#include "roundpipe/roundpipe.hpp"
 #include "support.hpp"
 
 namespace {

@@ -1,9 +1,10 @@
 """Hugging Face causal LMs in RoundPipe: :func:`wrap_model_to_roundpipe` splits a transformers
 (or PEFT) decoder-only model into pipeline layers and gives the wrapper HF semantics.
 
-Modules: ``wrap`` (finding the parts), ``layers`` (prefix, decoder layers, postfix and what
-travels between them), ``loss`` (the chunked causal-LM loss), ``moe`` (routing kept for the
-recomputation, the whole-batch router auxiliary loss), ``model`` (:class:`HFRoundPipe`),
+Modules: ``parts`` (finding the parts, the wrap-time check), ``wrap`` (the factory),
+``layers`` (prefix, decoder layers, postfix and what travels between them), ``loss`` (the
+chunked causal-LM loss), ``moe`` (routing kept for the recomputation, the whole-batch router
+auxiliary loss), ``model`` (:class:`HFRoundPipe`),
 ``save`` (``save_pretrained``), ``kv_cache`` (:class:`PipelineCache`, the KV cache of
 generation, a transformers ``Cache``), ``generate`` (``generate`` through the pipeline),
 ``trainer`` (:class:`RoundPipeTrainer`, a transformers ``Trainer``) and ``sft``

@@ -12,7 +12,7 @@ from ..wrapper import RoundPipe
 from . import moe, save
 from .layers import Decoder, Postfix, Prefix, RoutingState
 from .loss import count_items
-from .wrap import Parts, check_logits, disable_gradient_checkpointing
+from .parts import Parts, check_logits, disable_gradient_checkpointing
 
 # keyword arguments of HF's ForCausalLM.forward that the wrapper honours
 _INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
