@@ -166,6 +166,7 @@ def test_double_quantization_equals_a_float64_reference():
     scale = pad.abs().amax(dim=1)
     y = (pad.double() / scale.double()[:, None]).reshape(-1)[:nb]
     book = torch.tensor(sorted(_published_dynamic()), dtype=torch.float64)
+    assert torch.equal(book.float(), dynamic_code())
     q = (y[:, None] - book).abs().argmin(dim=1)
     assert packed.dtype == torch.uint8
     assert torch.equal(packed[:nb].long(), q)
@@ -183,9 +184,21 @@ def test_double_quantization_equals_a_float64_reference():
 
 
 def _published_dynamic() -> list[float]:
-    # bitsandbytes' create_dynamic_map(signed=True) as float32 values (their arithmetic), so the
-    # nearest-code reference uses the exact values stored
-    return dynamic_code().tolist()
+    """The signed dynamic map's float32 values: bitsandbytes' create_dynamic_map(signed=True)
+    where installed, else its definition written here (per decade i, the midpoints of
+    ``torch.linspace(0.1, 1, 2^i + 1)`` times 10^(i-6), in float32): the codes depend on the
+    exact float32 values."""
+    try:
+        import bitsandbytes.functional as bnb
+        return bnb.create_dynamic_map(signed=True).float().tolist()
+    except ImportError:
+        pass
+    values = [0.0, 1.0]
+    for i in range(7):
+        edges = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        mids = (edges[:-1] + edges[1:]) / 2
+        values += (mids * 10.0 ** (i - 6)).tolist() + (mids * -(10.0 ** (i - 6))).tolist()
+    return values
 
 
 def test_double_quantization_against_bitsandbytes():
