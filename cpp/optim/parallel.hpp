@@ -21,6 +21,10 @@ constexpr std::size_t kChunkElements = 16384;
 // are done. Calls from several threads are serialised.
 void run_tasks(std::size_t ntasks, void (*task)(void* ctx, std::size_t k), void* ctx);
 
+// As run_tasks when no other call is running; else returns false at once, having run nothing
+// (for work that must not wait for an optimizer step: it runs on its own thread instead).
+bool try_run_tasks(std::size_t ntasks, void (*task)(void* ctx, std::size_t k), void* ctx);
+
 // Runs fn(k) for k in [0, ntasks) on the pool.
 template <class Fn>
 void for_each_task(std::size_t ntasks, Fn&& fn) {

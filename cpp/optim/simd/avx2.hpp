@@ -107,6 +107,24 @@ struct Vec {
   static Vec lookup8(const float* table, Vec index) {
     return {_mm256_permutevar8x32_ps(_mm256_loadu_ps(table), _mm256_cvttps_epi32(index.v))};
   }
+  // Quantized weights (kernels/dequant.hpp): table[index] for the 8 4-bit indices packed in
+  // p[0, 4) (high nibble first): two permutes of the table's halves, bit 3 picks one; 8 int8
+  // values widened.
+  static Vec lookup_nf4(const float* table, const std::uint8_t* p) {
+    std::int32_t four;
+    std::memcpy(&four, p, sizeof four);
+    const __m128i b = _mm_cvtsi32_si128(four);
+    const __m128i nib = _mm_set1_epi8(15);
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(
+        _mm_and_si128(_mm_srli_epi16(b, 4), nib), _mm_and_si128(b, nib)));
+    const __m256 low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), idx);
+    const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), idx);
+    return {_mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)))};
+  }
+  static Vec load_i8(const std::int8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))};
+  }
   static bool any(Mask m) { return _mm256_movemask_ps(m.m) != 0; }
 
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }

@@ -102,6 +102,19 @@ struct Vec {
     const __m512 t = _mm512_castps256_ps512(_mm256_loadu_ps(table));
     return {_mm512_permutexvar_ps(_mm512_cvttps_epi32(index.v), t)};
   }
+  // Quantized weights (kernels/dequant.hpp): table[index] for the 16 4-bit indices packed in
+  // p[0, 8) (high nibble first), one permute; 16 int8 values widened.
+  static Vec lookup_nf4(const float* table, const std::uint8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i nib = _mm_set1_epi8(15);
+    const __m128i idx = _mm_unpacklo_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nib),
+                                          _mm_and_si128(b, nib));
+    return {_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(idx), _mm512_loadu_ps(table))};
+  }
+  static Vec load_i8(const std::int8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
+  }
   // Whether any lane of a mask is set.
   static bool any(Mask m) { return m.m != 0; }
 

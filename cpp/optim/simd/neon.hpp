@@ -91,6 +91,28 @@ struct Vec {
     return {r};
   }
   static Vec lookup8(const float* table, Vec index) { return lookup(table, index); }
+  // Quantized weights (kernels/dequant.hpp): table[index] for the 4 4-bit indices packed in
+  // p[0, 2) (high nibble first): one tbl over the table's 64 bytes (byte 4k + j of lane k is
+  // byte j of table[index_k]); 4 int8 values widened.
+  static Vec lookup_nf4(const float* table, const std::uint8_t* p) {
+    const uint8x8_t b = vcreate_u8(static_cast<std::uint64_t>(p[0]) |
+                                   static_cast<std::uint64_t>(p[1]) << 8);
+    const uint8x8_t nib = vzip1_u8(vshr_n_u8(b, 4), vand_u8(b, vdup_n_u8(15)));
+    static const std::uint8_t spread[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+    static const std::uint8_t byte[16] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+    const uint8x16_t lane = vqtbl1q_u8(vcombine_u8(nib, nib), vld1q_u8(spread));
+    const uint8x16_t idx = vaddq_u8(vshlq_n_u8(lane, 2), vld1q_u8(byte));
+    const std::uint8_t* bytes = reinterpret_cast<const std::uint8_t*>(table);
+    const uint8x16x4_t t = {{vld1q_u8(bytes), vld1q_u8(bytes + 16), vld1q_u8(bytes + 32),
+                             vld1q_u8(bytes + 48)}};
+    return {vreinterpretq_f32_u8(vqtbl4q_u8(t, idx))};
+  }
+  static Vec load_i8(const std::int8_t* p) {
+    std::int32_t four;
+    std::memcpy(&four, p, sizeof four);
+    const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)));
+    return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)))};
+  }
   static bool any(Mask m) { return vmaxvq_u32(m.m) != 0; }
 
   friend Vec operator+(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
