@@ -88,7 +88,8 @@ const QuantMap& quant_map(bool is_signed) { return is_signed ? kSignedMap : kUns
 }  // namespace detail
 
 static_assert(detail::kChunkElements % kQuantBlock == 0 &&
-              detail::kStageElements % kQuantBlock == 0);
+              detail::kStageElements % kQuantBlock == 0 &&
+              detail::kCompactStageElements % kQuantBlock == 0);
 
 const float* dynamic_map(bool is_signed) { return detail::quant_map(is_signed).value; }
 

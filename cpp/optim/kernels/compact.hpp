@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/compact.hpp"
@@ -126,9 +127,38 @@ inline void dequantize_blocks(const detail::QuantMap& q, const std::uint8_t* cod
     const float scale = absmax[b / kQuantBlock];
     for_range(b, end, [&](auto tag, std::size_t i) {
       using V = decltype(tag);
-      (V::lookup(q.value, V::load_u8(codes + i)) * V::set1(scale)).store(out + i);
+      (V::lookup(q.value, V::load_u8_bits(codes + i)) * V::set1(scale)).store(out + i);
     });
   }
+}
+
+// The absolute maximum of x[begin, end), NaN if any element is (the NaN torch.maximum's order
+// would give): the float32 patterns of |x| order as integers (a NaN's above inf's), so an
+// integer maximum of them finds it; only a block holding a NaN is searched again in float.
+inline float block_absmax(const float* x, std::size_t begin, std::size_t end) {
+  Vec::Bits vmax = Vec::bits_set1(0);
+  Scalar::Bits smax = 0;
+  for_range(begin, end, [&](auto tag, std::size_t i) {
+    using V = decltype(tag);
+    const auto a = V::bit_and(V::bits(V::load(x + i)), V::bits_set1(0x7fffffffu));
+    if constexpr (std::is_same_v<V, Vec>) vmax = Vec::max_i32(vmax, a);
+    else smax = Scalar::max_i32(smax, a);
+  });
+  float lanes[Vec::width];
+  Vec::from_bits(vmax).store(lanes);
+  for (float l : lanes) smax = Scalar::max_i32(smax, Scalar::bits(Scalar{l}));
+  if (smax <= 0x7f800000u) return bits_float(smax);
+  Vec vnan = Vec::set1(0.0f);  // NaN: the float search, for the same NaN as before
+  Scalar snan{0.0f};
+  for_range(begin, end, [&](auto tag, std::size_t i) {
+    using V = decltype(tag);
+    V& acc = lane_acc<V>(vnan, snan);
+    acc = maximum(abs(V::load(x + i)), acc);
+  });
+  vnan.store(lanes);
+  float m = snan.v;
+  for (std::size_t l = 0; l < Vec::width; ++l) m = maximum(Scalar{lanes[l]}, Scalar{m}).v;
+  return m;
 }
 
 // Codes and absmax of elements [0, n) of x, whole blocks from the first (the last may be
@@ -137,30 +167,28 @@ inline void quantize_blocks(const detail::QuantMap& q, const float* x, std::size
                             std::uint8_t* codes, float* absmax) {
   for (std::size_t b = 0; b < n; b += kQuantBlock) {
     const std::size_t end = b + kQuantBlock < n ? b + kQuantBlock : n;
-    Vec vmax = Vec::set1(0.0f);
-    Scalar smax{0.0f};
-    for_range(b, end, [&](auto tag, std::size_t i) {
-      using V = decltype(tag);
-      V& acc = lane_acc<V>(vmax, smax);
-      acc = maximum(abs(V::load(x + i)), acc);
-    });
-    float lanes[Vec::width];
-    vmax.store(lanes);
-    float m = smax.v;
-    for (std::size_t l = 0; l < Vec::width; ++l) m = maximum(Scalar{lanes[l]}, Scalar{m}).v;
+    const float m = block_absmax(x, b, end);
     absmax[b / kQuantBlock] = m;
     if (!(m < std::numeric_limits<float>::infinity())) {  // inf or NaN: 0 * m reads back NaN
       std::memset(codes + b, q.is_signed ? 127 : 0, end - b);
       continue;
     }
     // y = (x * pre) * inv, x / m up to rounding: pre = 2^100 keeps 1 / (m * pre) finite for a
-    // tiny m; a block of zeros scales by 0.
+    // tiny m (x * 1 is x: skipped); a block of zeros scales by 0.
     const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
     const float inv = m > 0.0f ? 1.0f / (m * pre) : 0.0f;
-    for_range(b, end, [&](auto tag, std::size_t i) {
-      using V = decltype(tag);
-      V::store_u8_bits(codes + i, quantize_code(q, V::load(x + i) * V::set1(pre) * V::set1(inv)));
-    });
+    if (pre == 1.0f) {
+      for_range(b, end, [&](auto tag, std::size_t i) {
+        using V = decltype(tag);
+        V::store_u8_bits(codes + i, quantize_code(q, V::load(x + i) * V::set1(inv)));
+      });
+    } else {
+      for_range(b, end, [&](auto tag, std::size_t i) {
+        using V = decltype(tag);
+        V::store_u8_bits(codes + i,
+                         quantize_code(q, V::load(x + i) * V::set1(pre) * V::set1(inv)));
+      });
+    }
   }
 }
 

@@ -110,6 +110,13 @@ struct Vec {
   static bool any(Mask m) { return _mm256_movemask_ps(m.m) != 0; }
   // Integer lanes: as Scalar's (scalar.hpp), 8 lanes.
   static Bits bits(Vec x) { return {_mm256_castps_si256(x.v)}; }
+  static Vec from_bits(Bits b) { return {_mm256_castsi256_ps(b.v)}; }
+  static Bits load_u8_bits(const std::uint8_t* p) {
+    return {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))};
+  }
+  static Vec lookup(const float* table, Bits index) {
+    return {_mm256_i32gather_ps(table, index.v, 4)};
+  }
   static Bits bits_set1(std::uint32_t x) { return {_mm256_set1_epi32(static_cast<int>(x))}; }
   static Bits add(Bits a, Bits b) { return {_mm256_add_epi32(a.v, b.v)}; }
   static Bits sub(Bits a, Bits b) { return {_mm256_sub_epi32(a.v, b.v)}; }

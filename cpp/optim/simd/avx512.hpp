@@ -106,6 +106,13 @@ struct Vec {
   static bool any(Mask m) { return m.m != 0; }
   // Integer lanes: as Scalar's (scalar.hpp), 16 lanes.
   static Bits bits(Vec x) { return {_mm512_castps_si512(x.v)}; }
+  static Vec from_bits(Bits b) { return {_mm512_castsi512_ps(b.v)}; }
+  static Bits load_u8_bits(const std::uint8_t* p) {
+    return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  static Vec lookup(const float* table, Bits index) {
+    return {_mm512_i32gather_ps(index.v, table, 4)};
+  }
   static Bits bits_set1(std::uint32_t x) { return {_mm512_set1_epi32(static_cast<int>(x))}; }
   static Bits add(Bits a, Bits b) { return {_mm512_add_epi32(a.v, b.v)}; }
   static Bits sub(Bits a, Bits b) { return {_mm512_sub_epi32(a.v, b.v)}; }

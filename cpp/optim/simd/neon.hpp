@@ -94,6 +94,20 @@ struct Vec {
   static bool any(Mask m) { return vmaxvq_u32(m.m) != 0; }
   // Integer lanes: as Scalar's (scalar.hpp), 4 lanes.
   static Bits bits(Vec x) { return {vreinterpretq_u32_f32(x.v)}; }
+  static Vec from_bits(Bits b) { return {vreinterpretq_f32_u32(b.v)}; }
+  static Bits load_u8_bits(const std::uint8_t* p) {
+    std::uint32_t four;
+    std::memcpy(&four, p, 4);
+    const uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(four));
+    return {vmovl_u16(vget_low_u16(vmovl_u8(b)))};
+  }
+  static Vec lookup(const float* table, Bits index) {
+    float32x4_t r = vdupq_n_f32(table[vgetq_lane_u32(index.v, 0)]);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(index.v, 1)], r, 1);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(index.v, 2)], r, 2);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(index.v, 3)], r, 3);
+    return {r};
+  }
   static Bits bits_set1(std::uint32_t x) { return {vdupq_n_u32(x)}; }
   static Bits add(Bits a, Bits b) { return {vaddq_u32(a.v, b.v)}; }
   static Bits sub(Bits a, Bits b) { return {vsubq_u32(a.v, b.v)}; }

@@ -63,11 +63,14 @@ struct Scalar {
   // Whether any lane of a mask is set.
   static bool any(Mask m) { return m; }
 
-  // Integer lanes, for the quantiser's cell table (kernels/compact.hpp): the float's bit
-  // pattern, lane-wise integer arithmetic (wrapping; shifts logical), signed 32-bit max / min /
-  // greater (all ones where a > b, else 0), table[index] of a 32-bit table, and the low byte of
-  // each lane stored.
+  // Integer lanes, for the int8 blocks (kernels/compact.hpp): the float's bit pattern and
+  // back, a byte widened, lane-wise integer arithmetic (wrapping; shifts logical), signed
+  // 32-bit max / min / greater (all ones where a > b, else 0), table[index] of a 32-bit or a
+  // float table, and the low byte of each lane stored.
   static Bits bits(Scalar x);
+  static Scalar from_bits(Bits b);
+  static Bits load_u8_bits(const std::uint8_t* p) { return *p; }
+  static Scalar lookup(const float* table, Bits index) { return {table[index]}; }
   static Bits bits_set1(std::uint32_t x) { return x; }
   static Bits add(Bits a, Bits b) { return a + b; }
   static Bits sub(Bits a, Bits b) { return a - b; }
@@ -179,6 +182,7 @@ inline void Scalar::store_f16(std::uint16_t* p) const {
 }
 
 inline Scalar::Bits Scalar::bits(Scalar x) { return float_bits(x.v); }
+inline Scalar Scalar::from_bits(Bits b) { return {bits_float(b)}; }
 inline Scalar::Bits Scalar::random_bits(std::uint32_t key, std::uint32_t first) {
   return hash32(first ^ key);
 }
