@@ -108,13 +108,10 @@ inline void round_bf16(const float* x, std::size_t n, std::uint32_t key, std::ui
   for_range(0, n, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
     const auto bits = V::random_bits(key, first + static_cast<std::uint32_t>(i));
-    if (!kept) {
-      V::load(x + i).store_bf16_stochastic(out + i, bits);
-      return;
-    }
-    const V r = V::load(x + i).round_bf16_stochastic(bits, 0);
-    r.store(kept + i);
-    r.store_bf16(out + i);
+    const V v = V::load(x + i);
+    // the stored bits directly (a rounded value is a bfloat16: no second rounding)
+    v.store_bf16_stochastic(out + i, bits);
+    if (kept) v.round_bf16_stochastic(bits, 0).store(kept + i);
   });
 }
 
