@@ -29,7 +29,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from ..pipeline.threads import Permits
+from ..threads import Permits
 from ..stats import Stats
 
 

@@ -1,8 +1,9 @@
 """CUDA compute devices: pinned host memory of exact size, one stream per kind of traffic,
 events between them, backpressure, and a pinned staging ring for gradient downloads.
 
-Imported only when a CUDA device is given to ``RoundPipe`` (never at ``import roundpipe``), so
-CPU-only use never touches CUDA. Per device (:class:`CudaIO`, used by that device's worker,
+Importing it touches no CUDA state (the wrapper reads :data:`PIN_MODES` from here for any
+device); CUDA is first used when a CUDA device is given to ``RoundPipe``, so CPU-only use never
+touches it. Per device (:class:`CudaIO`, used by that device's worker,
 and by the optimizer side to wait for and release gradient downloads):
 
 - ``weights`` stream: uploads of stage weights and buffers from the pinned host model copy;
@@ -127,6 +128,9 @@ def _unique_tensors(model: nn.Module) -> tuple[list[nn.Parameter], dict[int, lis
             if b is not None:
                 buffers.setdefault(id(b), []).append((module, name))
     return params, buffers
+
+
+PIN_MODES = ("auto", "alloc", "register", "off")  # RoundPipe(pin_memory=...), see above
 
 
 def pin_host_model(model: nn.Module, mode: str, device: torch.device) -> tuple[str, int]:
