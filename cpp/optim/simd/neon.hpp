@@ -114,6 +114,50 @@ struct Vec {
     return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)))};
   }
   static bool any(Mask m) { return vmaxvq_u32(m.m) != 0; }
+  // Integer lanes: as Scalar's (scalar.hpp), 4 lanes.
+  static Bits bits(Vec x) { return {vreinterpretq_u32_f32(x.v)}; }
+  static Vec from_bits(Bits b) { return {vreinterpretq_f32_u32(b.v)}; }
+  static Bits load_u8_bits(const std::uint8_t* p) {
+    std::uint32_t four;
+    std::memcpy(&four, p, 4);
+    const uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(four));
+    return {vmovl_u16(vget_low_u16(vmovl_u8(b)))};
+  }
+  static Vec lookup(const float* table, Bits index) {
+    float32x4_t r = vdupq_n_f32(table[vgetq_lane_u32(index.v, 0)]);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(index.v, 1)], r, 1);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(index.v, 2)], r, 2);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(index.v, 3)], r, 3);
+    return {r};
+  }
+  static Bits bits_set1(std::uint32_t x) { return {vdupq_n_u32(x)}; }
+  static Bits add(Bits a, Bits b) { return {vaddq_u32(a.v, b.v)}; }
+  static Bits sub(Bits a, Bits b) { return {vsubq_u32(a.v, b.v)}; }
+  static Bits bit_and(Bits a, Bits b) { return {vandq_u32(a.v, b.v)}; }
+  static Bits bit_xor(Bits a, Bits b) { return {veorq_u32(a.v, b.v)}; }
+  static Bits srl(Bits a, int n) { return {vshlq_u32(a.v, vdupq_n_s32(-n))}; }
+  static Bits max_i32(Bits a, Bits b) {
+    return {vreinterpretq_u32_s32(vmaxq_s32(vreinterpretq_s32_u32(a.v), vreinterpretq_s32_u32(b.v)))};
+  }
+  static Bits min_i32(Bits a, Bits b) {
+    return {vreinterpretq_u32_s32(vminq_s32(vreinterpretq_s32_u32(a.v), vreinterpretq_s32_u32(b.v)))};
+  }
+  static Bits gt_i32(Bits a, Bits b) {
+    return {vcgtq_s32(vreinterpretq_s32_u32(a.v), vreinterpretq_s32_u32(b.v))};
+  }
+  static Bits lookup_bits(const std::uint32_t* table, Bits index) {
+    uint32x4_t r = vdupq_n_u32(table[vgetq_lane_u32(index.v, 0)]);
+    r = vsetq_lane_u32(table[vgetq_lane_u32(index.v, 1)], r, 1);
+    r = vsetq_lane_u32(table[vgetq_lane_u32(index.v, 2)], r, 2);
+    r = vsetq_lane_u32(table[vgetq_lane_u32(index.v, 3)], r, 3);
+    return {r};
+  }
+  static void store_u8_bits(std::uint8_t* p, Bits b) {
+    const uint16x4_t h = vmovn_u32(b.v);
+    const uint8x8_t c = vmovn_u16(vcombine_u16(h, h));
+    const std::uint32_t four = vget_lane_u32(vreinterpret_u32_u8(c), 0);
+    std::memcpy(p, &four, 4);
+  }
 
   friend Vec operator+(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {vsubq_f32(a.v, b.v)}; }
