@@ -9,8 +9,8 @@ model into layers (embeddings + rotary + mask, one per decoder layer, final norm
 the optimizer copies are fp32, stepped by ``roundpipe.optim.AdamW`` on the CPU; each layer is
 streamed to the compute device (the GPU when there is one, else the CPU) in microbatches, with
 recomputation. ``--optimizer adafactor``, ``--state-dtype bfloat16|int8`` and ``--master-dtype
-bfloat16`` choose the host-memory saving options (roundpipe.optim.compact; the README's memory
-ladder compares their convergence with ``python -m roundpipe.bench memory``).
+bfloat16`` choose the host-memory saving options (roundpipe.optim.compact; the memory ladder of
+docs/host_memory.md compares their convergence with ``python -m roundpipe.bench memory``).
 
     python examples/train_qwen3.py                      # Python's standard library, from scratch
     python examples/train_qwen3.py --lora --model PATH  # LoRA fine-tuning of a local HF checkpoint
@@ -75,8 +75,8 @@ def cpu_bf16_native() -> tuple[bool, str]:
 
 def torch_isa_restriction() -> str:
     """Why torch cannot use this x86 CPU's bf16 instructions although it has them: its own kernels
-    (ATEN_CPU_CAPABILITY) or oneDNN (DNNL_MAX_CPU_ISA) restricted to AVX2 or below, as when the
-    README measures an AVX2-only CPU on a newer one; "" when not restricted."""
+    (ATEN_CPU_CAPABILITY) or oneDNN (DNNL_MAX_CPU_ISA) restricted to AVX2 or below, as when
+    docs/demo.md measures an AVX2-only CPU on a newer one; "" when not restricted."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in ("DEFAULT", "AVX2"):
         return f"torch's kernels are restricted to {capability} (ATEN_CPU_CAPABILITY)"

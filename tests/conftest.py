@@ -1,4 +1,6 @@
-"""Shared fixtures and the comparison harness against torch.optim."""
+"""Shared fixtures and the comparison harness against torch.optim. The pipeline tests' models
+and reference loop are in tests/pipeline_models.py, the multi-process launcher in
+tests/launcher.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import roundpipe.optim as rpo
+
+# The helper modules of tests/ (imported by name: pytest puts tests/ on sys.path) get pytest's
+# assertion messages too.
+pytest.register_assert_rewrite("launcher", "pipeline_models", "trainer_cases")
 
 SHAPES = [(), (0,), (1,), (17,), (4097,), (33, 65)]
 

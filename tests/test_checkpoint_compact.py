@@ -4,7 +4,7 @@ compact state (``state_dtype=torch.bfloat16`` or ``"int8"``) and of one-copy wei
 - in one process, the state comes back exactly as it was kept, and training continues as the
   uninterrupted run;
 - a checkpoint loads into an optimizer of another ``state_dtype``: the values it reads back as
-  (int8: the dynamic map as tests/test_compact_state.py writes it from its definition, times
+  (int8: the dynamic map as tests/dynamic_map_reference.py writes it from its definition, times
   each block's maximum) converted to that format;
 - int8 state sharded over 2 ranks (each rank's blocks over its own rows) loads in one process:
   float32 state takes the values each rank's rows read back as, int8 state requantizes them;
@@ -15,8 +15,6 @@ compact state (``state_dtype=torch.bfloat16`` or ``"int8"``) and of one-copy wei
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
@@ -25,9 +23,8 @@ from torch import nn
 import roundpipe
 import roundpipe.optim as rpo
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_compact_state import reference_map  # noqa: E402
-from test_distributed import launch  # noqa: E402
+import launcher
+from dynamic_map_reference import reference_map
 
 
 def _net(dtype=torch.float32):
@@ -90,8 +87,8 @@ def test_a_checkpoint_loads_into_another_state_dtype(tmp_path):
 
 
 def test_int8_state_sharded_over_two_ranks_loads_in_one_process(tmp_path):
-    for rc, err in launch("save_int8", 2, tmp_path):
-        assert rc == 0, err[-3000:]
+    for r in launcher.launch("distributed_ranks.py", 2, "save_int8", tmp_path):
+        assert r.returncode == 0, r.stderr[-3000:]
     parts = [torch.load(tmp_path / f"rows-{r}.pt") for r in range(2)]
     model = roundpipe.RoundPipe(_net(), num_microbatch=2)
     fp32 = rpo.AdamW(model.optim_parameters(), lr=1e-2)

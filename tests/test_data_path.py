@@ -7,8 +7,6 @@ same bytes into exactly sized pinned memory."""
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
@@ -20,8 +18,7 @@ from roundpipe import RoundPipe, layer_seed
 from roundpipe.bench.memory import CONFIGS, measure_memory
 from roundpipe.pipeline.schedule import Visit, device_orders, pass_order
 
-sys.path.insert(0, os.path.dirname(__file__))
-from conftest import use_fake_cuda_io  # noqa: E402
+from conftest import use_fake_cuda_io
 
 
 # --- the schedule ----------------------------------------------------------------------------

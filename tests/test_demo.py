@@ -117,7 +117,7 @@ def test_help_imports_nothing_heavy():
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
 def test_auto_dtype_is_float32_when_torch_is_restricted_to_avx2():
-    """As the README measures an AVX2-only CPU: torch's kernels restricted to AVX2 emulate bf16,
+    """As docs/demo.md measures an AVX2-only CPU: torch's kernels restricted to AVX2 emulate bf16,
     so the automatic choice is fp32 whatever this CPU has."""
     code = ("import runpy, torch\n"
             f"ns = runpy.run_path({str(SCRIPT)!r})\n"

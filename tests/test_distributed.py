@@ -16,10 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -28,39 +24,15 @@ import torch
 import roundpipe
 import roundpipe.optim as rpo
 
-sys.path.insert(0, os.path.dirname(__file__))
-import distributed_ranks as dr  # noqa: E402
-
-RANKS = os.path.join(os.path.dirname(__file__), "distributed_ranks.py")
+import distributed_ranks as dr
+import launcher
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(case: str, world: int, out, *args: str, timeout: float = 300,
-           env: dict | None = None) -> list:
-    """Starts ``world`` ranks of ``case`` (``env``: more environment variables); returns their
-    (returncode, stderr), failing the test if any is still running after ``timeout`` seconds
-    (all are killed)."""
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_port()), OMP_NUM_THREADS="1", **(env or {}))
-    procs = [subprocess.Popen([sys.executable, RANKS, case, str(out), *args],
-                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((p.returncode, err))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{case}: ranks still running after {timeout} s (hang)")
-    return results
+def launch(case: str, world: int, out, *args: str, **kwargs) -> list:
+    """``world`` ranks of tests/distributed_ranks.py ``case`` (``launcher.launch``'s keyword
+    arguments); their (returncode, stderr)."""
+    return [(r.returncode, r.stderr)
+            for r in launcher.launch("distributed_ranks.py", world, case, out, *args, **kwargs)]
 
 
 def reference(mode: str, steps: int = dr.STEPS, clip: bool = False) -> dict:
@@ -139,15 +111,11 @@ def test_a_dcp_checkpoint_saved_at_2_ranks_continues_at_1_and_3(tmp_path):
 def test_host_bytes_per_parameter_per_rank_when_sharded(tmp_path):
     """bf16 model copy (2 B) on every rank; optimizer copy, AdamW state and gradient (16 B)
     split over the 2 ranks; exact mode, 12 layers, 100M parameters: <= 2 + 16 / 2 + 0.5."""
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
-    procs = [subprocess.Popen([sys.executable, RANKS, "memory", str(tmp_path)],
-                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
     values = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-        values.append(float(out.split()[-1]))
+    for r in launcher.launch("distributed_ranks.py", 2, "memory", tmp_path, timeout=600,
+                             omp_threads=None):
+        assert r.returncode == 0, r.stderr[-3000:]
+        values.append(float(r.stdout.split()[-1]))
     assert all(8 <= v <= 2 + 16 / 2 + 0.5 for v in values), values
 
 

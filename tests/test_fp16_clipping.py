@@ -13,8 +13,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
@@ -24,7 +22,6 @@ import roundpipe
 import roundpipe.optim as rpo
 from roundpipe import GradScaler, RoundPipe, layer_seed
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 # --- the scaler alone ---------------------------------------------------------------------------

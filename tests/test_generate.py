@@ -17,33 +17,14 @@ import roundpipe  # noqa: E402
 import roundpipe.optim  # noqa: E402
 from roundpipe.hf import PipelineCache  # noqa: E402
 
-VOCAB = 101
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              attention_dropout=0.0, pad_token_id=0)
+from pipeline_models import HF_VOCAB as VOCAB  # noqa: E402
+from pipeline_models import causal_lm  # noqa: E402
 
 
 def make_model(kind: str, seed: int = 0):
-    torch.manual_seed(seed)
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
-    elif kind == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON))
-    elif kind in ("qwen3", "qwen3_tied"):
-        cfg = transformers.Qwen3Config(**COMMON, head_dim=8,
-                                       tie_word_embeddings=kind == "qwen3_tied")
-        model = transformers.Qwen3ForCausalLM(cfg)
-    elif kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**COMMON, head_dim=8, moe_intermediate_size=16,
-                                          num_experts=4, num_experts_per_tok=2,
-                                          output_router_logits=True, router_aux_loss_coef=0.3)
-        model = transformers.Qwen3MoeForCausalLM(cfg)
-    elif kind == "mistral_sliding":
-        cfg = transformers.MistralConfig(**COMMON, sliding_window=4)
-        model = transformers.MistralForCausalLM(cfg)
-    else:
-        raise ValueError(kind)
-    model = model.float().eval()
+    """Three decoder layers, padding token 0, in eval mode."""
+    model = causal_lm(kind, seed, num_hidden_layers=3, pad_token_id=0)
+    model = model.eval()
     model.generation_config.pad_token_id = 0
     return model
 

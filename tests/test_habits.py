@@ -17,12 +17,13 @@ import roundpipe
 import roundpipe.optim as rpo
 from roundpipe import OptimizerCtx, RoundPipe
 
+from pipeline_models import tanh_net
+
 LR = 0.1
 
 
 def net(dtype=torch.float32):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+    return tanh_net(dtype)
 
 
 def batch(rows=12, seed=1):

@@ -19,28 +19,12 @@ import roundpipe  # noqa: E402
 import roundpipe.optim  # noqa: E402
 from roundpipe.hf import HFRoundPipe, chunked_cross_entropy_sum  # noqa: E402
 
-VOCAB = 101
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              attention_dropout=0.0)
+from pipeline_models import HF_VOCAB as VOCAB  # noqa: E402
+from pipeline_models import causal_lm  # noqa: E402
 
 
 def make_model(kind: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).float()
-    if kind in ("qwen3_tied", "qwen3"):
-        cfg = transformers.Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=kind == "qwen3_tied")
-        return transformers.Qwen3ForCausalLM(cfg).float()
-    if kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**COMMON, head_dim=8, moe_intermediate_size=16,
-                                          num_experts=4, num_experts_per_tok=2,
-                                          output_router_logits=True, router_aux_loss_coef=0.3)
-        return transformers.Qwen3MoeForCausalLM(cfg).float()
-    if kind == "mistral_sliding":
-        cfg = transformers.MistralConfig(**COMMON, sliding_window=4)
-        return transformers.MistralForCausalLM(cfg).float()
-    raise ValueError(kind)
+    return causal_lm(kind, seed)
 
 
 def make_batch(seed: int = 1, batch: int = 3, seq: int = 11):

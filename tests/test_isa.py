@@ -10,10 +10,11 @@ import pytest
 
 import roundpipe.optim as rpo
 
+from launcher import child_env
+
 # A fresh interpreter that trains with ROUNDPIPE_ISA set and checks against torch.optim.Adam.
 _CHILD = r"""
-import sys, torch, roundpipe.optim as rpo
-sys.path.insert(0, sys.argv[1])
+import torch, roundpipe.optim as rpo
 from conftest import assert_same_training
 print(rpo.active_isa())
 assert_same_training(rpo.Adam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.1))
@@ -21,8 +22,7 @@ assert_same_training(rpo.Adam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True, wei
 
 
 def _run(isa):
-    env = dict(os.environ, ROUNDPIPE_ISA=isa)
-    return subprocess.run([sys.executable, "-c", _CHILD, os.path.dirname(__file__)], env=env,
+    return subprocess.run([sys.executable, "-c", _CHILD], env=child_env(ROUNDPIPE_ISA=isa),
                           capture_output=True, text=True, timeout=120)
 
 

@@ -15,8 +15,6 @@ copy itself (bfloat16 master weights: 2 bytes per weight on the host, no float32
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import time
 
 import pytest
@@ -27,8 +25,7 @@ import roundpipe
 import roundpipe.optim as rpo
 from roundpipe import RoundPipe
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_roundpipe import data, loss_fn, mlp, reference_forward_backward  # noqa: E402
+from pipeline_models import data, loss_fn, mlp, reference_forward_backward
 
 
 def test_the_optimizer_steps_the_model_parameters_themselves():

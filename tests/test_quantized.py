@@ -21,6 +21,8 @@ import roundpipe.optim
 from roundpipe.quant import (QuantizedLinear, dequantize, host_bytes, quantize,
                              quantize_frozen_linears)
 
+from pipeline_models import causal_lm
+
 # QLoRA's NF4 data type, as published (bitsandbytes functional.py, get_4bit_type("nf4")).
 PUBLISHED_NF4 = [
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -111,12 +113,7 @@ def test_quantized_linear_forward_and_gradient_through_the_dequantized_weight():
 
 
 def tiny_llama(seed: int = 0):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(cfg).float()
+    return causal_lm("llama", seed, hidden_size=64, intermediate_size=128)
 
 
 def make_batch(seed: int):

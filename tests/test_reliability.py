@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import pickle
 import subprocess
 import sys
@@ -24,8 +23,7 @@ import roundpipe
 import roundpipe.optim as rpo
 from roundpipe import RoundPipe
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_roundpipe import data, loss_fn, mlp, reference_forward_backward  # noqa: E402
+from pipeline_models import data, loss_fn, mlp, reference_forward_backward
 
 
 def _run_bounded(fn, timeout=60):

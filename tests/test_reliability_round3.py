@@ -20,6 +20,8 @@ from torch import nn
 import roundpipe
 import roundpipe.optim as rpo
 
+from pipeline_models import causal_lm, tanh_net
+
 # --- item 2: a refused step changes nothing -------------------------------------------------
 
 
@@ -92,8 +94,7 @@ def test_sgd_with_rounding_resumes_bit_for_bit_through_its_state_dict():
 
 
 def _net(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    return tanh_net(seed=seed)
 
 
 def _batch(k: int) -> tuple:
@@ -229,34 +230,8 @@ def test_a_forked_child_gets_a_clear_error_instead_of_a_hang(devices, pending, c
 
 # --- items 6-8: Hugging Face models ---------------------------------------------------------
 
-HF_COMMON = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                 attention_dropout=0.0)
-
-
 def _hf_model(kind: str) -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_COMMON)).float()
-    if kind == "doge":
-        return transformers.DogeForCausalLM(transformers.DogeConfig(**HF_COMMON)).float()
-    if kind == "gemma3":  # a rotary embedding per layer type (sliding: local base)
-        cfg = transformers.Gemma3TextConfig(**HF_COMMON, head_dim=8, sliding_window=4,
-                                            layer_types=["sliding_attention", "full_attention"])
-        return transformers.Gemma3ForCausalLM(cfg).float()
-    if kind == "olmo3":
-        cfg = transformers.Olmo3Config(**HF_COMMON, sliding_window=4, eos_token_id=1,
-                                       pad_token_id=0)
-        return transformers.Olmo3ForCausalLM(cfg).float()
-    if kind == "mellum":
-        return transformers.MellumForCausalLM(
-            transformers.MellumConfig(**HF_COMMON, head_dim=8)).float()
-    if kind.startswith("mimo_v2_flash"):  # dense layers only, or its default sparse layer 1
-        layers = ["dense", "dense"] if kind == "mimo_v2_flash" else None
-        return transformers.MiMoV2FlashForCausalLM(transformers.MiMoV2FlashConfig(
-            **HF_COMMON, head_dim=8, mlp_layer_types=layers)).float()
-    raise ValueError(kind)
+    return causal_lm(kind)
 
 
 def _hf_batch(seq: int = 9, seed: int = 1) -> dict:

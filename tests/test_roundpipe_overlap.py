@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import gc
 import threading
-import os
 import subprocess
 import sys
 import time
@@ -26,9 +25,8 @@ import roundpipe
 import roundpipe.optim as rpo
 from roundpipe import OptimizerCtx, RoundPipe
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_roundpipe import (assert_params_equal, data, loss_fn, mlp,  # noqa: E402
-                            reference_forward_backward, transformer)
+from pipeline_models import (assert_params_equal, data, loss_fn, mlp, reference_forward_backward,
+                             transformer)
 
 
 def tied():

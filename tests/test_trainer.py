@@ -14,7 +14,6 @@ tests/test_trainer_sft.py; two gloo ranks: tests/test_trainer_distributed.py.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -25,58 +24,9 @@ pytest.importorskip("accelerate")
 
 from roundpipe.hf import RoundPipeTrainer  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 import trainer_cases as tc  # noqa: E402
-
-REL = 1e-4
-
-
-def _reset_accelerate():
-    """accelerate keeps one process-wide state; each trainer of a test starts afresh."""
-    from accelerate.state import AcceleratorState, PartialState
-
-    AcceleratorState._reset_state(True)
-    PartialState._reset_state()
-
-
-def run_plain(kind, out, **overrides):
-    _reset_accelerate()
-    model = tc.make_model(kind)
-    trainer = transformers.Trainer(model=model, args=tc.training_args(out, **overrides),
-                                   train_dataset=tc.TokenData(48), eval_dataset=tc.TokenData(8, 2))
-    trainer.train()
-    return trainer, model
-
-
-def run_ours(kind, out, rp_kwargs=None, resume=None, **overrides):
-    _reset_accelerate()
-    model = tc.make_model(kind)
-    trainer = RoundPipeTrainer(model=model, args=tc.training_args(out, **overrides),
-                               train_dataset=tc.TokenData(48), eval_dataset=tc.TokenData(8, 2),
-                               roundpipe_kwargs={"num_microbatch": 2, "device": "cpu",
-                                                 **(rp_kwargs or {})})
-    trainer.train(resume_from_checkpoint=resume)
-    return trainer
-
-
-def assert_same_logs(ours: list, ref: list, keys=("loss", "grad_norm", "learning_rate")):
-    assert len(ours) == len(ref) and ref, (len(ours), len(ref))
-    for a, b in zip(ours, ref):
-        assert a["step"] == b["step"]
-        for k in keys:
-            assert a[k] == pytest.approx(b[k], rel=REL, abs=1e-12), (a["step"], k, a[k], b[k])
-        if "epoch" in b:
-            assert a["epoch"] == pytest.approx(b["epoch"])
-
-
-def comparison_table(ours: list, ref: list) -> str:
-    rows = [f"{'step':>4} {'loss ours':>12} {'loss Trainer':>12} {'grad_norm ours':>14} "
-            f"{'grad_norm Tr.':>14} {'lr ours':>10} {'lr Trainer':>10}"]
-    for a, b in zip(ours, ref):
-        rows.append(f"{a['step']:>4} {a['loss']:>12.7f} {b['loss']:>12.7f} "
-                    f"{a['grad_norm']:>14.7f} {b['grad_norm']:>14.7f} "
-                    f"{a['learning_rate']:>10.3e} {b['learning_rate']:>10.3e}")
-    return "\n".join(rows)
+from trainer_cases import (REL, assert_same_logs, comparison_table,  # noqa: E402
+                           reset_accelerate, run_ours, run_plain)
 
 
 @pytest.mark.parametrize("kind,mode,clip", [("llama", "sync", 1.15), ("qwen3", "sync", 1.15),
@@ -110,7 +60,7 @@ def test_logs_and_weights_equal_plain_trainer(kind, mode, clip, tmp_path):
                                          ("label_smoothing_factor", 0.1),
                                          ("neftune_noise_alpha", 5.0), ("optim", "adamw_8bit")])
 def test_arguments_that_cannot_combine_are_refused_naming_them(field, value, tmp_path):
-    _reset_accelerate()
+    reset_accelerate()
     model = tc.make_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
@@ -125,7 +75,7 @@ def test_arguments_that_cannot_combine_are_refused_naming_them(field, value, tmp
 
 @pytest.mark.parametrize("field", ["compute_loss_func", "model_init"])
 def test_trainer_arguments_that_cannot_combine_are_refused(field, tmp_path):
-    _reset_accelerate()
+    reset_accelerate()
     model = tc.make_model("llama")
     with pytest.raises(ValueError, match=field):
         RoundPipeTrainer(model=model, args=tc.training_args(tmp_path),
@@ -134,7 +84,7 @@ def test_trainer_arguments_that_cannot_combine_are_refused(field, tmp_path):
 
 
 def test_gradient_checkpointing_is_switched_off_with_a_warning(tmp_path):
-    _reset_accelerate()
+    reset_accelerate()
     args = tc.training_args(tmp_path, gradient_checkpointing=True, max_steps=1,
                             eval_strategy="no")
     with pytest.warns(UserWarning, match="already\\s+recomputes"):
@@ -148,7 +98,7 @@ def test_gradient_checkpointing_is_switched_off_with_a_warning(tmp_path):
 
 
 def test_an_optimizer_not_on_the_optimizer_copies_is_refused(tmp_path):
-    _reset_accelerate()
+    reset_accelerate()
     model = tc.make_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     trainer = RoundPipeTrainer(model=model, args=tc.training_args(tmp_path, max_steps=1,
@@ -208,7 +158,7 @@ def test_accelerate_keeps_its_hands_off_with_a_cuda_device_and_two_gpus(tmp_path
     plain Trainer's on the CPU with the batch Trainer forms for 2 GPUs (2 x 4)."""
     steps = dict(max_steps=6, eval_strategy="no")
     ref_trainer, _ = run_plain("llama", tmp_path / "ref", per_device_train_batch_size=8, **steps)
-    _reset_accelerate()
+    reset_accelerate()
     cuda = torch.device("cuda:0")   # made outside the fake (which turns cuda into cpu)
     monkeypatch.setattr(transformers.TrainingArguments, "device",
                         property(lambda self: (self._setup_devices, cuda)[1]))

@@ -8,8 +8,6 @@ Trainer logged."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -17,34 +15,15 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-sys.path.insert(0, os.path.dirname(__file__))
 import trainer_cases as tc  # noqa: E402
-from test_distributed import _port  # noqa: E402
-from test_trainer import REL, assert_same_logs, run_ours, run_plain  # noqa: E402
-
-RANKS = os.path.join(os.path.dirname(__file__), "trainer_ranks.py")
+import launcher  # noqa: E402
+from trainer_cases import REL, assert_same_logs, run_ours, run_plain  # noqa: E402
 
 
 def launch_two(out, per_device: int, shard: bool, timeout: float = 300) -> None:
-    import subprocess
-    import time
-
-    env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_port()), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, RANKS, str(out), str(per_device),
-                               "1" if shard else "0"],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert p.returncode == 0, err[-4000:]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"ranks still running after {timeout} s")
+    for r in launcher.launch("trainer_ranks.py", 2, out, per_device, "1" if shard else "0",
+                             timeout=timeout):
+        assert r.returncode == 0, r.stderr[-4000:]
 
 
 def test_two_gloo_ranks_equal_plain_trainer_on_the_whole_batch_and_resume_in_one(tmp_path):

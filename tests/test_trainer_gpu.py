@@ -7,8 +7,6 @@ falls) without autocast or torch's GradScaler."""
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
@@ -20,9 +18,8 @@ pytest.importorskip("accelerate")
 
 from roundpipe.hf import RoundPipeTrainer  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 import trainer_cases as tc  # noqa: E402
-from test_trainer import _reset_accelerate, assert_same_logs, comparison_table  # noqa: E402
+from trainer_cases import assert_same_logs, comparison_table, reset_accelerate  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -39,11 +36,11 @@ def _args(out, **kw):
 
 @pytest.mark.parametrize("mode", ["sync", "exact"])
 def test_trainer_on_cuda_equals_plain_trainer_on_the_gpu(mode, tmp_path):
-    _reset_accelerate()
+    reset_accelerate()
     ref = transformers.Trainer(model=tc.make_model("llama"), args=_args(tmp_path / "ref"),
                                train_dataset=tc.TokenData(48), eval_dataset=tc.TokenData(8, 2))
     ref.train()
-    _reset_accelerate()
+    reset_accelerate()
     ours = RoundPipeTrainer(model=tc.make_model("llama"), args=_args(tmp_path / "ours"),
                             train_dataset=tc.TokenData(48), eval_dataset=tc.TokenData(8, 2),
                             roundpipe_kwargs={"num_microbatch": 2, "step_mode": mode})
@@ -58,7 +55,7 @@ def test_trainer_on_cuda_equals_plain_trainer_on_the_gpu(mode, tmp_path):
 
 
 def test_bf16_on_cuda_trains_without_autocast(tmp_path):
-    _reset_accelerate()
+    reset_accelerate()
     ours = RoundPipeTrainer(model=tc.make_model("qwen3"),
                             args=_args(tmp_path, bf16=True, eval_strategy="no"),
                             train_dataset=tc.TokenData(48), roundpipe_kwargs={"num_microbatch": 2})

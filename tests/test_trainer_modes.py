@@ -13,8 +13,6 @@ tests/test_trainer.py), continued:
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
@@ -24,10 +22,9 @@ pytest.importorskip("accelerate")
 
 from roundpipe.hf import RoundPipeTrainer  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 import trainer_cases as tc  # noqa: E402
-from test_trainer import (REL, _reset_accelerate, assert_same_logs, comparison_table,  # noqa: E402
-                          run_ours, run_plain)
+from trainer_cases import (REL, assert_same_logs, comparison_table, reset_accelerate,  # noqa: E402
+                           run_ours, run_plain)
 
 
 def test_resume_from_a_mid_run_checkpoint_logs_what_the_uninterrupted_run_logged(tmp_path):
@@ -104,7 +101,7 @@ def test_fp16_with_an_injected_overflow_skips_the_same_step_as_trainer(tmp_path)
     # skip the update itself, accelerate does not see the skip and Trainer advances the
     # scheduler anyway; with a non-fused optimizer Trainer does what it means to do
     args = dict(fp16=False, eval_strategy="no", optim="adamw_torch", max_steps=10)
-    _reset_accelerate()
+    reset_accelerate()
     ref_model = tc.make_model("llama")
     ref = transformers.Trainer(model=ref_model, args=tc.training_args(tmp_path / "ref", **args),
                                train_dataset=tc.TokenData(48))
@@ -113,7 +110,7 @@ def test_fp16_with_an_injected_overflow_skips_the_same_step_as_trainer(tmp_path)
     acc.scaler, acc.native_amp = torch.amp.GradScaler("cpu"), True
     acc.state._mixed_precision = "fp16"       # what Accelerator(mixed_precision="fp16") sets
     ref.train()
-    _reset_accelerate()
+    reset_accelerate()
     model = tc.make_model("llama")
     hook = _Overflow(model, at)
     ours = RoundPipeTrainer(model=model, args=tc.training_args(tmp_path / "ours", **dict(
@@ -146,7 +143,7 @@ def test_fp16_resume_restores_the_grad_scaler(tmp_path):
                      save_strategy="steps", save_steps=4)
 
     def run(out, resume=None):
-        _reset_accelerate()
+        reset_accelerate()
         model = tc.make_model("llama")
         trainer = RoundPipeTrainer(model=model, args=tc.training_args(out, **kw),
                                    train_dataset=tc.TokenData(48),

@@ -20,16 +20,15 @@ import trl  # noqa: E402
 
 from roundpipe.hf import RoundPipeSFTTrainer  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 import trainer_cases as tc  # noqa: E402
-from test_trainer import REL, _reset_accelerate, assert_same_logs, comparison_table  # noqa: E402
+from trainer_cases import REL, assert_same_logs, comparison_table, reset_accelerate  # noqa: E402
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
             lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
 def run(cls, kind, out, dataset, eval_dataset, lora=False, **kw):
-    _reset_accelerate()
+    reset_accelerate()
     tok = tc.make_tokenizer()
     model = tc.make_sft_model(kind, tok)
     extra = {"roundpipe_kwargs": {"num_microbatch": 2, "device": "cpu"}} \

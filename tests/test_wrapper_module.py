@@ -179,7 +179,7 @@ def test_layers_compiled_before_wrapping_train_as_plain_pytorch():
     pytorch/pytorch#150915): three SGD steps on two CPU workers with three microbatches match
     plain uncompiled PyTorch; the compiled code is what runs (graphs captured) and is compiled
     once, not per step. The aot_eager backend (dynamo's capture and AOTAutograd's joint graph,
-    run eagerly) keeps the test fast on two cores; the README's torch.compile block, run by
+    run eagerly) keeps the test fast on two cores; docs/training.md's torch.compile block, run by
     tests/test_readme.py, covers the default backend (inductor)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 4))

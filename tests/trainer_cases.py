@@ -1,11 +1,15 @@
-"""Shared pieces of the Trainer tests (tests/test_trainer.py, the 2-rank script): tiny float32
-models built from a config (no hub), a token dataset, the TrainingArguments of the comparison,
-and reading a run's logs."""
+"""Shared pieces of the Trainer tests (tests/test_trainer*.py, tests/trainer_ranks.py): tiny
+float32 models built from a config (no hub), a token dataset, the TrainingArguments of the
+comparison, the two runs compared (plain ``transformers.Trainer``, ``RoundPipeTrainer``) and
+reading and comparing their logs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
+
+from roundpipe.hf import RoundPipeTrainer
 
 VOCAB, SEQ = 96, 12
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -62,6 +66,64 @@ def train_logs(history: list) -> list:
 
 def eval_logs(history: list) -> list:
     return [h for h in history if "eval_loss" in h]
+
+
+# --- the two runs compared, and their logs -----------------------------------------------------
+
+REL = 1e-4
+
+
+def reset_accelerate():
+    """accelerate keeps one process-wide state; each trainer of a test starts afresh."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+
+
+def run_plain(kind, out, **overrides):
+    """Plain ``transformers.Trainer`` on the unwrapped model: the reference. Returns the trainer
+    and the model it trained."""
+    reset_accelerate()
+    model = make_model(kind)
+    trainer = transformers.Trainer(model=model, args=training_args(out, **overrides),
+                                   train_dataset=TokenData(48), eval_dataset=TokenData(8, 2))
+    trainer.train()
+    return trainer, model
+
+
+def run_ours(kind, out, rp_kwargs=None, resume=None, **overrides):
+    """RoundPipeTrainer on the same model, data and arguments (2 microbatches on the CPU)."""
+    reset_accelerate()
+    model = make_model(kind)
+    trainer = RoundPipeTrainer(model=model, args=training_args(out, **overrides),
+                               train_dataset=TokenData(48), eval_dataset=TokenData(8, 2),
+                               roundpipe_kwargs={"num_microbatch": 2, "device": "cpu",
+                                                 **(rp_kwargs or {})})
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def assert_same_logs(ours: list, ref: list, keys=("loss", "grad_norm", "learning_rate")):
+    """Both logs have the same steps and epochs, and ``keys`` equal to ``REL`` (relative)."""
+    assert len(ours) == len(ref) and ref, (len(ours), len(ref))
+    for a, b in zip(ours, ref):
+        assert a["step"] == b["step"]
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=REL, abs=1e-12), (a["step"], k, a[k], b[k])
+        if "epoch" in b:
+            assert a["epoch"] == pytest.approx(b["epoch"])
+
+
+def comparison_table(ours: list, ref: list) -> str:
+    """Both logs side by side, printed by the tests for the reader."""
+    rows = [f"{'step':>4} {'loss ours':>12} {'loss Trainer':>12} {'grad_norm ours':>14} "
+            f"{'grad_norm Tr.':>14} {'lr ours':>10} {'lr Trainer':>10}"]
+    for a, b in zip(ours, ref):
+        rows.append(f"{a['step']:>4} {a['loss']:>12.7f} {b['loss']:>12.7f} "
+                    f"{a['grad_norm']:>14.7f} {b['grad_norm']:>14.7f} "
+                    f"{a['learning_rate']:>10.3e} {b['learning_rate']:>10.3e}")
+    return "\n".join(rows)
 
 
 # --- TRL: a tokenizer trained here, chat and prompt/completion datasets -----------------------

@@ -17,7 +17,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 import trainer_cases as tc  # noqa: E402
 
 from roundpipe.hf import RoundPipeTrainer  # noqa: E402

@@ -404,7 +404,7 @@ class RoundPipe(nn.Module):
         ``torch.compile(model)`` / ``model.compile()`` do not compile a RoundPipe (its pipeline
         of threads and transfers cannot be traced, and ``forward_backward`` is not even seen
         by them): the call runs eagerly, with a warning. Compile the layers before wrapping
-        them instead (see the README, "torch.compile").
+        them instead (see docs/training.md, "torch.compile").
 
         In training mode with gradients enabled, the floating outputs are
         :class:`roundpipe.guards.Finished` tensors (the same memory): ``.backward()`` from

@@ -329,7 +329,7 @@ def loading_rows(args) -> dict:
 
 
 def format_table(result: dict, configs: list[Config]) -> str:
-    """The ladder as a Markdown table (what the README shows)."""
+    """The ladder as a Markdown table (what docs/host_memory.md shows)."""
     mem, speed = result.get("memory", {}), result.get("speed", {})
     conv = result.get("convergence", {})
     ref = conv.get(CONFIGS[0].name)

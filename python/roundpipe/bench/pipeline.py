@@ -1,4 +1,4 @@
-"""Pipeline benchmark: trains a configurable transformer with RoundPipe in three modes and
+"""Pipeline benchmark: trains a configurable transformer with RoundPipe in four modes and
 with plain PyTorch, and reports for each tokens/s, the share of device time spent waiting for
 weights and for the optimizer, and the bytes moved over their floor:
 

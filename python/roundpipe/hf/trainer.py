@@ -55,7 +55,7 @@ _REFUSED = (
     ("deepspeed", "DeepSpeed is another engine for the same job; use one of them"),
     ("fsdp", "FSDP shards the model on the GPUs; RoundPipe keeps it on the host"),
     ("torch_compile", "RoundPipe's pipeline cannot be compiled as a whole; compile the decoder "
-                      "layers before wrapping the model (see the README, torch.compile)"),
+                      "layers before wrapping the model (see docs/training.md, torch.compile)"),
     ("use_liger_kernel", "Liger patches the model's forward and loss; RoundPipe computes the "
                          "loss in chunks itself (no full logits)"),
     ("fp16_full_eval", "the model copy keeps the dtype it was wrapped with; choose it with "
@@ -593,7 +593,7 @@ class RoundPipeTrainer(RoundPipeTrainerMixin, _WrapModel):
     a model already wrapped by :func:`roundpipe.wrap_model_to_roundpipe`. ``fp16=True`` /
     ``bf16=True`` make the model copy fp16 / bf16 with fp32 optimizer copies (no autocast);
     ``fp16`` adds a :class:`roundpipe.GradScaler`. See :class:`RoundPipeTrainerMixin` for
-    ``roundpipe_kwargs`` and the README ("With Hugging Face Trainer and TRL") for what each
+    ``roundpipe_kwargs`` and docs/huggingface.md ("With Hugging Face Trainer and TRL") for what each
     ``TrainingArguments`` field does.
 
     Raises:

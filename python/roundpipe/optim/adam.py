@@ -21,7 +21,8 @@ class Adam(CpuOptimizer):
     ``torch.optim.Adam(foreach=False)`` to a few float32 ulp per step.
 
     Parameters must be float32, CPU, dense and contiguous tensors with dense gradients of the
-    same shape. ``lr`` and ``betas`` may be 1-element tensors (read at every step).
+    same shape. ``lr`` may be a 1-element tensor (read at every step); ``betas`` may be 1-element
+    tensors, whose values are taken at construction (as torch.optim.Adam does).
 
     Args:
         params: iterable of parameters, ``(name, parameter)`` pairs or param-group dicts.

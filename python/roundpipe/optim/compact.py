@@ -2,7 +2,7 @@
 
 Host memory per trainable parameter is what limits the model size RoundPipe can train. With a
 bfloat16 model copy and float32 master weights, gradient and AdamW state a parameter costs ~18
-bytes; these options cut it (see the README's memory ladder):
+bytes; these options cut it (see the memory ladder in docs/host_memory.md):
 
 - ``state_dtype=torch.bfloat16``: per-element state kept in bfloat16 (2 bytes per value instead
   of 4), read as float32, updated by the algorithm's float32 arithmetic and stored with
