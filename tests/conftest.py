@@ -15,7 +15,7 @@ import roundpipe.optim as rpo
 
 # The helper modules of tests/ (imported by name: pytest puts tests/ on sys.path) get pytest's
 # assertion messages too.
-pytest.register_assert_rewrite("launcher", "pipeline_models", "trainer_cases")
+pytest.register_assert_rewrite("launcher", "pipeline_models", "quant_reference", "trainer_cases")
 
 SHAPES = [(), (0,), (1,), (17,), (4097,), (33, 65)]
 

@@ -23,7 +23,7 @@ peft = pytest.importorskip("peft")
 import roundpipe  # noqa: E402
 import roundpipe.hf  # noqa: E402
 import roundpipe.optim  # noqa: E402
-from test_quantized import make_batch, reference_int8, reference_nf4  # noqa: E402
+from quant_reference import make_batch, reference_int8, reference_nf4  # noqa: E402
 
 REFERENCE = {"nf4": reference_nf4, "int8": reference_int8}
 TARGETS = ["q_proj", "v_proj", "down_proj"]
