@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from ..torch_private import tree_flatten, tree_unflatten
 
 from ..plan import Stage
 from ..transfer import DeviceIO, GradDownload, StageWeights, io_scope

@@ -44,6 +44,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from ..torch_private import module_buffers
 from .base import DeviceIO, GradDownload, nbytes
 
 ALIGN = 512
@@ -123,7 +124,7 @@ def _unique_tensors(model: nn.Module) -> tuple[list[nn.Parameter], dict[int, lis
             params.append(p)
     buffers: dict[int, list] = {}
     for module in model.modules():
-        for name, b in module._buffers.items():
+        for name, b in module_buffers(module).items():
             if b is not None:
                 buffers.setdefault(id(b), []).append((module, name))
     return params, buffers
@@ -160,7 +161,7 @@ def pin_host_model(model: nn.Module, mode: str, device: torch.device) -> tuple[s
                     key = (b.data_ptr(), b.dtype, b.shape)
                     if key in views:
                         for module, name in holders:
-                            module._buffers[name] = views[key]
+                            module_buffers(module)[name] = views[key]
             _keep_alive(model, arena)
             return "alloc", arena.size
         ranges = _page_ranges(todo)
