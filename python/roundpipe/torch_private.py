@@ -8,6 +8,7 @@ unchanged since torch 2.6, the oldest version ``pyproject.toml`` accepts.
 - ``torch.utils._pytree`` (:func:`tree_map`, :func:`tree_flatten`, :func:`tree_unflatten`):
   nested inputs and outputs (microbatch splitting, device transfers, stage outputs). Public
   in spirit (``torch.export`` documents its trees) but not yet under a public name.
+  :func:`tree_map` walks plain tuples, lists and dicts itself (the trees of every call).
 - An optimizer's step hook registries ``_optimizer_step_pre_hooks`` /
   ``_optimizer_step_post_hooks`` and the global ones
   ``torch.optim.optimizer._global_optimizer_pre_hooks`` / ``_global_optimizer_post_hooks``
@@ -31,10 +32,29 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.optim import optimizer as _optimizer
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils import _pytree
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["tree_map", "tree_flatten", "tree_unflatten", "step_hooks", "init_hook_registries",
            "mark_stepped", "tensor_version", "tensor_base", "module_buffers"]
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``torch.utils._pytree.tree_map(fn, tree)``: ``fn`` applied to every leaf, the
+    containers rebuilt. Plain ``tuple``, ``list`` and ``dict`` nodes and tensor leaves are
+    walked here as pytree walks them (a dict keeps its key order), without its per-node
+    bookkeeping (this runs several times per training call); anything else (None, which
+    torch versions treat differently, other leaves and containers) is handed to pytree."""
+    kind = type(tree)
+    if kind is tuple:
+        return tuple([tree_map(fn, x) for x in tree])
+    if kind is list:
+        return [tree_map(fn, x) for x in tree]
+    if kind is dict:
+        return {k: tree_map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor) and kind not in _pytree.SUPPORTED_NODES:
+        return fn(tree)
+    return _pytree.tree_map(fn, tree)
+
 
 _HOOK_REGISTRIES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
