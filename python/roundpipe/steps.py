@@ -56,12 +56,12 @@ from .context import OptimizerCtx
 from .distributed import Reduction
 from .grad_scaler import GradScaler
 from .optim import Adafactor as CpuAdafactor
-from .optim import CpuOptimizer
+from .optim import CpuOptimizer, frozen_copy
 from .optimizer_thread import OptimizerThread
 from .param_copies import ParamCopies
 from .pipeline.threads import LayerGates, check_not_forked
 from .stats import Stats
-from .torch_private import mark_stepped, step_hooks, tensor_version, tree_map
+from .torch_private import mark_stepped, step_hooks, tensor_version
 from .transfer import DeviceIO, GradDownload
 
 
@@ -82,24 +82,10 @@ class StepReport:
 
 
 def snapshot(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A shallow twin of ``opt`` sharing its state and parameters but holding a copy of each
-    param group's hyperparameters as they are now (tensors cloned, e.g. a tensor ``lr`` that
-    an LR scheduler changes in place): the optimizer thread steps through it, so a scheduler
-    changing ``opt.param_groups`` meanwhile affects only the next step."""
-    twin = object.__new__(type(opt))
-    twin.__dict__.update(opt.__dict__)
-    twin.param_groups = [
-        {k: (v if k == "params" else tree_map(
-            lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, v))
-         for k, v in g.items()}
-        for g in opt.param_groups]
-    twin.__dict__.pop("_group_index_cache", None)
-    # instance attributes wrapping the live optimizer's methods (an LR scheduler's step
-    # counter, hook_optimizer's waiting zero_grad) would step the live optimizer with the
-    # hyperparameters of later: the twin uses its class's methods
-    twin.__dict__.pop("step", None)
-    twin.__dict__.pop("zero_grad", None)
-    return twin
+    """``opt`` with its hyperparameters as they are now (:func:`roundpipe.optim.frozen_copy`;
+    :meth:`CpuOptimizer.frozen_copy` for ours): the optimizer thread steps through it, so a
+    scheduler changing ``opt.param_groups`` meanwhile affects only the next step."""
+    return opt.frozen_copy() if isinstance(opt, CpuOptimizer) else frozen_copy(opt)
 
 
 # optimizers whose update of an element reads other elements (not for sharded copies)

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from .. import _C
 from . import compact
-from ..torch_private import mark_stepped
+from ..torch_private import mark_stepped, tree_map
 
 
 def scalar(x: Any) -> float:
@@ -97,6 +97,27 @@ class StepStats(NamedTuple):
 
     found_inf: bool
     grad_norm_sq: Optional[float]
+
+
+def frozen_copy(opt: Optimizer) -> Optimizer:
+    """A shallow twin of any ``torch.optim.Optimizer`` ``opt``: the same class, sharing its
+    state, parameters and everything else, but with a copy of each param group's
+    hyperparameters as they are now (tensors cloned, e.g. a tensor ``lr`` that an LR
+    scheduler changes in place). Stepping the twin updates ``opt``'s parameters and state with
+    those hyperparameters, whatever is done to ``opt.param_groups`` meanwhile (RoundPipe's
+    asynchronous and exact steps). Instance attributes wrapping ``opt``'s own ``step`` or
+    ``zero_grad`` (an LR scheduler's step counter, RoundPipe's waiting ``zero_grad``) are not
+    copied: the twin uses its class's methods."""
+    twin = object.__new__(type(opt))
+    twin.__dict__.update(opt.__dict__)
+    twin.param_groups = [
+        {k: (v if k == "params" else tree_map(
+            lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, v))
+         for k, v in g.items()}
+        for g in opt.param_groups]
+    twin.__dict__.pop("step", None)
+    twin.__dict__.pop("zero_grad", None)
+    return twin
 
 
 class CpuOptimizer(Optimizer):
@@ -200,6 +221,14 @@ class CpuOptimizer(Optimizer):
     def seed(self) -> int:
         """The seed of the stochastic rounding bits."""
         return self._memory.seed
+
+    def frozen_copy(self) -> "CpuOptimizer":
+        """This optimizer with its hyperparameters as they are now (:func:`frozen_copy`): the
+        twin shares the parameters, the state and the rounding memory, and ``step`` /
+        ``fused_step`` on it update them with the hyperparameters of the moment it was made."""
+        twin = frozen_copy(self)
+        twin.__dict__.pop("_group_index_cache", None)  # the twin's own groups
+        return twin
 
     @property
     def state_keys(self) -> tuple[str, ...]:
