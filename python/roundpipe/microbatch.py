@@ -14,6 +14,7 @@ import numbers
 from typing import Any, Optional
 
 import torch
+
 from .torch_private import tree_flatten, tree_map, tree_unflatten
 
 Microbatch = tuple[tuple, dict, Any]  # (input_args, input_kwargs, label)

@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-from .torch_private import tree_map
 
 from . import guards
 from . import microbatch as mb
@@ -39,6 +38,7 @@ from .pipeline.threads import Worker, check_not_forked
 from .plan import PIN_MODES, make_stages, parse_devices, split_layers
 from .stats import Stats
 from .steps import StepReport, Steps
+from .torch_private import tree_map
 from .transfer import CpuIO
 
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-from ..torch_private import tensor_version, tree_map
 
 from ..pipeline.threads import Permits
 from ..stats import Stats
+from ..torch_private import tensor_version, tree_map
 
 
 class TensorRef(NamedTuple):
