@@ -5,7 +5,9 @@
 // each problem a TypeError/ValueError naming the argument and index, raised before anything is
 // touched), releases the GIL and calls the C++ step: over lists of tensors (`<algo>_step`) or
 // over a param group's cached StepPlan (`<algo>_step_plan`, step_plan.hpp). Also the compact
-// storage conversions and the ISA and thread controls. The module is not built against torch;
+// storage conversions and the ISA and thread controls, and the per-algorithm metadata the Python
+// optimizers derive their tables from (`algorithms`, `<Name>Options.fields`, `<Name>State`'s
+// slot names and int8 signedness). The module is not built against torch;
 // it imports torch on first use.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -14,9 +16,10 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
-#include "roundpipe/optim.hpp"
+#include "roundpipe/roundpipe.hpp"
 #include "step_plan.hpp"
 #include "tensors.hpp"
 
@@ -154,16 +157,50 @@ void def_plan_step(nb::module_& m, const char* name, StepFn<Options> fn) {
        "\nmust run instead: state to create, a tensor it would refuse.").c_str());
 }
 
-// Binds roundpipe::<Name>Options as `<Name>Options` (every field read-write, named as in C++)
-// and roundpipe::<name>_step as `<name>_step` (def_step) and `<name>_step_plan`.
+// A Python tuple of a C++ array's values (names, flags).
+template <class Values>
+nb::tuple as_tuple(const Values& values) {
+  nb::list out;
+  for (const auto& v : values) out.append(v);
+  return nb::steal<nb::tuple>(PyList_AsTuple(out.ptr()));
+}
+
+// Binds roundpipe::<Name>State as `<Name>State`: no instances, only the metadata the Python
+// optimizers derive their tables from (the single source: the C++ header), as class attributes
+//   state_names   the per-element state slots, in slot order (torch.optim's state keys)
+//   scalar_names  the 0-dim slots, in slot order ("step" first where the algorithm counts steps)
+//   int8_signed   per state slot, whether int8 storage takes the signed map (the slot's values
+//                 take either sign); None when the algorithm does not allow int8 state.
+template <class State>
+void def_state(nb::module_& m, const std::string& state_name, const char* header) {
+  const std::string doc = "roundpipe::" + state_name + " (" + header +
+                          "): the state slots' names (state_names, scalar_names) and int8_signed.";
+  nb::class_<State> state(m, state_name.c_str(), doc.c_str());
+  state.attr("state_names") = as_tuple(State::state_names);
+  state.attr("scalar_names") = as_tuple(State::scalar_names);
+  if constexpr (roundpipe::detail::Int8Slots<State>::allowed)
+    state.attr("int8_signed") = as_tuple(State::int8_signed);
+  else
+    state.attr("int8_signed") = nb::none();
+}
+
+// Binds roundpipe::<Name>Options as `<Name>Options` (every field read-write, named as in C++;
+// `fields`: their names, in order), roundpipe::<Name>State as `<Name>State` (def_state) and
+// roundpipe::<name>_step as `<name>_step` (def_step) and `<name>_step_plan`.
 template <class Options, class State>
-void def_algorithm(nb::module_& m, const char* options_name, const char* step_name,
-                   const char* header, StepFn<Options> fn) {
+void def_algorithm(nb::module_& m, const char* options_name, const char* state_name,
+                   const char* step_name, const char* header, StepFn<Options> fn) {
   const std::string doc = std::string("roundpipe::") + options_name + " (" + header +
                           "): the hyperparameters, named and defaulted as in torch.optim.";
   nb::class_<Options> options(m, options_name, doc.c_str());
   options.def(nb::init<>());
-  Options::for_each_field([&](const char* field, auto member) { options.def_rw(field, member); });
+  std::vector<const char*> fields;
+  Options::for_each_field([&](const char* field, auto member) {
+    options.def_rw(field, member);
+    fields.push_back(field);
+  });
+  options.attr("fields") = as_tuple(fields);
+  def_state<State>(m, state_name, header);
   def_step<Options, State>(
       m, step_name, fn,
       std::string(step_name) + "(options, params, grads, [" + join(State::state_names) + "], [" +
@@ -208,11 +245,25 @@ NB_MODULE(_C, m) {
       .def_rw("found_inf", &roundpipe::StepIO::found_inf)
       .def_rw("grad_norm_sq", &roundpipe::StepIO::grad_norm_sq);
 
-#define ROUNDPIPE_BIND(name, Name)                                                      \
-  def_algorithm<roundpipe::Name##Options, roundpipe::Name##State>(                           \
-      m, #Name "Options", #name "_step", "roundpipe/" #name ".hpp", &roundpipe::name##_step);
+#define ROUNDPIPE_BIND(name, Name)                                                   \
+  def_algorithm<roundpipe::Name##Options, roundpipe::Name##State>(                        \
+      m, #Name "Options", #Name "State", #name "_step", "roundpipe/" #name ".hpp",        \
+      &roundpipe::name##_step);
   ROUNDPIPE_STEP_FUNCTIONS(ROUNDPIPE_BIND)
 #undef ROUNDPIPE_BIND
+
+  // The optimizer algorithms (roundpipe/algorithms.hpp), each with its class in
+  // roundpipe/optimizer_classes.hpp (a missing AlgorithmTraits does not compile): the list the
+  // Python classes and their completeness test (tests/test_algorithms.py) start from.
+  nb::dict algorithms;
+#define ROUNDPIPE_ALGORITHM(prefix, Name)                                                    \
+  static_assert(                                                                             \
+      std::string_view(roundpipe::AlgorithmTraits<roundpipe::Name##Options>::name) == #Name, \
+      "AlgorithmTraits<" #Name "Options>::name must be " #Name);                             \
+  algorithms[#Name] = #prefix;
+  ROUNDPIPE_ALGORITHMS(ROUNDPIPE_ALGORITHM)
+#undef ROUNDPIPE_ALGORITHM
+  m.attr("algorithms") = algorithms;
 
   // compact storage (roundpipe/compact.hpp): whole-tensor conversions, for checkpoints
   m.attr("QUANT_BLOCK") = roundpipe::kQuantBlock;

@@ -25,7 +25,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "roundpipe/optim.hpp"
+#include "roundpipe/roundpipe.hpp"
 #include "tensors.hpp"
 
 namespace rpbind {

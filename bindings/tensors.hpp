@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "roundpipe/optim.hpp"
+#include "roundpipe/roundpipe.hpp"
 
 
 namespace rpbind {

@@ -4,7 +4,7 @@
 
 #include <cstdio>
 
-#include "roundpipe/optim.hpp"
+#include "roundpipe/roundpipe.hpp"
 
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "roundpipe/optim.hpp"
+#include "roundpipe/roundpipe.hpp"
 
 namespace rptest {
 

@@ -17,7 +17,7 @@
 #include <random>
 #include <vector>
 
-#include "roundpipe/optim.hpp"
+#include "roundpipe/roundpipe.hpp"
 #include "support.hpp"
 
 namespace {
@@ -598,7 +598,7 @@ TEST(Compact, BadCompactBuffersAreNamed) {
   t.scalar[1] = &eta;
   t.scalar[2] = &mu;
   try {
-    roundpipe::asgd_step(roundpipe::AsgdOptions{}, &t, 1);
+    roundpipe::asgd_step(roundpipe::ASGDOptions{}, &t, 1);
     ADD_FAILURE() << "int8 ASGD state accepted";
   } catch (const roundpipe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("does not support"), std::string::npos) << e.what();

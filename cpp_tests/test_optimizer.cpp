@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "roundpipe/optim.hpp"
+#include "roundpipe/roundpipe.hpp"
 #include "support.hpp"
 
 namespace {
@@ -170,7 +170,7 @@ TEST(Optimizer, CompactStateAndBf16ParametersMatchTheStatelessStep) {
 }
 
 TEST(Optimizer, CompactStateErrors) {
-  roundpipe::Asgd asgd;
+  roundpipe::ASGD asgd;
   EXPECT_THROW(asgd.set_state_format(roundpipe::StateFormat::int8), roundpipe::Error);
   asgd.set_state_format(roundpipe::StateFormat::bfloat16);  // any algorithm
   std::vector<float> p(4, 1.0f), g(4, 1.0f);

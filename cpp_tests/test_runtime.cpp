@@ -6,7 +6,7 @@
 #include <vector>
 #include <string>
 
-#include "roundpipe/optim.hpp"
+#include "roundpipe/roundpipe.hpp"
 
 namespace {
 

@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "roundpipe/optim.hpp"
+#include "roundpipe/roundpipe.hpp"
 
 namespace {
 

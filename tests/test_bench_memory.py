@@ -15,7 +15,8 @@ def test_memory_ladder_runs_and_writes_table_json_and_plot(tmp_path):
         [sys.executable, "-m", "roundpipe.bench", "memory", "--hidden", "64", "--elements",
          "40000", "--repeats", "5", "--conv-steps", "2", "--conv-hidden", "64", "--conv-layers",
          "1", "--conv-chars", "200000", "--configs", "fp32 AdamW", "int8 state",
-         "bf16 master + int8 state", "--out", str(tmp_path / "runs"), "--json", str(out)],
+         "bf16 master + int8 state", "--skip-loading", "--out", str(tmp_path / "runs"), "--json",
+         str(out)],
         capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| configuration | floor B/param | measured B/param |" in r.stdout
@@ -30,3 +31,20 @@ def test_memory_ladder_runs_and_writes_table_json_and_plot(tmp_path):
         conv = result["convergence"][name]
         assert len(conv["history"]["loss"]) == 2 and conv["val_loss_after"] > 0
     assert (tmp_path / "runs" / "memory_ladder.png").stat().st_size > 0
+
+
+def test_loading_rows_run_and_write_json(tmp_path):
+    """The rows of peak RSS while loading through roundpipe.hf.from_pretrained, at a tiny
+    size (tests/test_loading.py holds the NF4 peak below half the bf16 size at a real size)."""
+    out = tmp_path / "loading.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "roundpipe.bench", "memory", "--skip-memory", "--skip-speed",
+         "--skip-convergence", "--load-layers", "2", "--load-hidden", "128", "--load-kinds",
+         "nf4", "bf16", "--json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| base | peak RSS increase / bf16 size | after loading / bf16 size |" in r.stdout
+    rows = json.loads(out.read_text())["loading"]
+    assert set(rows["kinds"]) == {"nf4", "bf16"} and rows["bf16_bytes"] > 0
+    for row in rows["kinds"].values():
+        assert 0 < row["after"]["median"] and row["peak"]["min"] <= row["peak"]["max"]

@@ -219,8 +219,7 @@ def test_save_and_checkpoint_of_a_quantized_base(tmp_path):
     # the adapter, loadable by PEFT onto the dequantized base
     w.save_pretrained(tmp_path / "adapter")
     assert not (tmp_path / "adapter" / "model.safetensors").exists()
-    with pytest.raises(NotImplementedError, match="merged=True"):
-        w.save_pretrained(tmp_path / "merged", merged=True)
+    w.save_pretrained(tmp_path / "merged", merged=True)
     base = tiny_llama()  # the plain model, its quantized weights replaced by their values
     with torch.no_grad():
         for n, m in quantized.items():
@@ -231,6 +230,19 @@ def test_save_and_checkpoint_of_a_quantized_base(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=ids).logits, w(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
+    # merged: a plain transformers checkpoint of the dequantized base + adapter, no PEFT
+    transformers = pytest.importorskip("transformers")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert isinstance(merged.model.layers[0].self_attn.q_proj, nn.Linear)
+    assert merged.dtype == torch.float32 and not any("lora" in k for k in merged.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, back(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+        # the merge worked on a copy: the wrapped model is unchanged
+        torch.testing.assert_close(w(input_ids=ids).logits, back(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    assert all(isinstance(w.hf_model.get_submodule(n.removeprefix("base_model.model.")),
+                          QuantizedLinear) for n in quantized)
     # a state dict round trip re-quantizes to the same codes
     codes = {n: m.weight_codes.clone() for n, m in quantized.items()}
     w.load_state_dict(w.state_dict())

@@ -310,11 +310,11 @@ def test_a_model_whose_layers_do_not_reproduce_its_logits_is_refused_at_wrap_tim
     """The wrap-time check (two layers, six tokens, against the model's own forward): Doge
     with the mask every other family gets (HF skips it for a causal kernel, which Doge's
     attention is not) is refused, naming the cause, instead of training a non-causal model."""
-    import roundpipe.hf.wrap as hf_wrap
+    import roundpipe.hf.parts as hf_parts
 
     model = _hf_model("doge")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    monkeypatch.setattr(hf_wrap, "_source", lambda cls: "")  # as before the fix
+    monkeypatch.setattr(hf_parts, "_source", lambda cls: "")  # as before the fix
     with pytest.raises(TypeError, match="DogeForCausalLM .* no causal mask"):
         roundpipe.wrap_model_to_roundpipe(model, torch.float32, device="cpu")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -12,31 +12,31 @@
 
 namespace roundpipe {
 
-void asgd_step(const AsgdOptions& o, const ParamBuffers* tensors, std::size_t count,
+void asgd_step(const ASGDOptions& o, const ParamBuffers* tensors, std::size_t count,
                StepIO* io) {
   constexpr const char* fn = "asgd_step";
   detail::check_range(fn, "lr", o.lr, 0.0);
   detail::check_range(fn, "weight_decay", o.weight_decay, 0.0);
-  detail::check_buffers<AsgdState>(fn, tensors, count, detail::all_states<AsgdState>(),
-                                   detail::all_scalars<AsgdState>(), io);
+  detail::check_buffers<ASGDState>(fn, tensors, count, detail::all_states<ASGDState>(),
+                                   detail::all_scalars<ASGDState>(), io);
   const detail::KernelTable& kernels = detail::active_kernels();
 
   const detail::GradCoeffs grad = detail::grad_coeffs(o.weight_decay, o.maximize);
-  std::vector<detail::AsgdCoeffs> coeffs(count);
+  std::vector<detail::ASGDCoeffs> coeffs(count);
   for (std::size_t i = 0; i < count; ++i) {
-    float& step_t = *tensors[i].scalar[AsgdState::step];
-    float& eta_t = *tensors[i].scalar[AsgdState::eta];
-    float& mu_t = *tensors[i].scalar[AsgdState::mu];
+    float& step_t = *tensors[i].scalar[ASGDState::step];
+    float& eta_t = *tensors[i].scalar[ASGDState::eta];
+    float& mu_t = *tensors[i].scalar[ASGDState::mu];
     step_t += 1.0f;
     // This step uses the stored eta and mu (torch: eta_value = eta.item(); mu.item() != 1).
     const double eta = eta_t;
-    coeffs[i] = detail::AsgdCoeffs{
+    coeffs[i] = detail::ASGDCoeffs{
         grad,
         /*decay=*/static_cast<float>(1.0 - o.lambd * eta),
         /*neg_eta=*/static_cast<float>(-eta),
         /*average=*/mu_t != 1.0f,
         mu_t,
-        /*stream_ax=*/tensors[i].state_format[AsgdState::ax] == StateFormat::float32,
+        /*stream_ax=*/tensors[i].state_format[ASGDState::ax] == StateFormat::float32,
     };
     // Then the values for the next step, in Python floats, stored through float32 tensors:
     //   eta = lr / ((1 + lambd * lr * step) ** alpha);  mu = 1 / max(1, step - t0)
@@ -46,7 +46,7 @@ void asgd_step(const AsgdOptions& o, const ParamBuffers* tensors, std::size_t co
     const double since_t0 = step - o.t0;
     mu_t = static_cast<float>(1.0 / (since_t0 > 1.0 ? since_t0 : 1.0));
   }
-  detail::run_kernel<AsgdState>(kernels.asgd, coeffs.data(), tensors, count, io);
+  detail::run_kernel<ASGDState>(kernels.asgd, coeffs.data(), tensors, count, io);
 }
 
 }  // namespace roundpipe

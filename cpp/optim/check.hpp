@@ -10,7 +10,7 @@
 #include "roundpipe/error.hpp"
 #include "roundpipe/step_io.hpp"
 #include "kernels/moments.hpp"
-#include "state_traits.hpp"
+#include "roundpipe/state_traits.hpp"
 
 namespace roundpipe {
 namespace detail {

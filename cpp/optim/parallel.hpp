@@ -8,7 +8,7 @@
 #include "kernel_table.hpp"
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/step_io.hpp"
-#include "state_traits.hpp"
+#include "roundpipe/state_traits.hpp"
 
 namespace roundpipe {
 namespace detail {

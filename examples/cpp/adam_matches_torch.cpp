@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <vector>
 
-#include <roundpipe/optim.hpp>
+#include <roundpipe/roundpipe.hpp>
 
 int main() {
   constexpr int kN = 19, kSteps = 5;

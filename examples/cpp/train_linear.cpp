@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include <roundpipe/optim.hpp>
+#include <roundpipe/roundpipe.hpp>
 
 namespace {
 

@@ -13,7 +13,7 @@ import concurrent.futures as cf
 import threading
 from typing import Any, Callable, Iterable, Optional
 
-from .pipeline.threads import LayerGates, Worker, check_not_forked
+from .threads import LayerGates, Worker, check_not_forked
 
 Job = Callable[[Callable[[int], None]], Any]
 

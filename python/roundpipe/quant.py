@@ -256,8 +256,9 @@ def quantize_frozen_linears(model: nn.Module, frozen_dtype: str,
     Raises:
         ValueError: ``frozen_dtype`` unknown; a name in ``modules`` is not an ``nn.Linear`` of
             ``model``, or its weight requires grad, or is tied; ``modules`` is None and no
-            frozen linear is found (forgetting to freeze the base would quantize nothing).
-            Raised before anything is modified.
+            frozen linear is found (forgetting to freeze the base would quantize nothing),
+            unless some are quantized already (``roundpipe.hf.from_pretrained``'s models);
+            linears quantized already in another format. Raised before anything is modified.
     """
     found = dict(model.named_modules(remove_duplicate=False))
     todo = frozen_linears(model, frozen_dtype, modules)
@@ -287,6 +288,10 @@ def frozen_linears(model: nn.Module, frozen_dtype: str,
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
     found = dict(model.named_modules(remove_duplicate=False))
+    held = {m.frozen_dtype for m in found.values() if isinstance(m, QuantizedLinear)}
+    if held - {frozen_dtype}:
+        raise ValueError(f"frozen_dtype={frozen_dtype!r}: the model's linears are already "
+                         f"quantized as {sorted(held)}")
     if modules is not None:
         todo = []
         for name in modules:
@@ -307,7 +312,7 @@ def frozen_linears(model: nn.Module, frozen_dtype: str,
         todo = [name for name, m in found.items()
                 if isinstance(m, nn.Linear) and m is not skip and not m.weight.requires_grad
                 and m.weight.is_floating_point() and uses[id(m.weight)] == 1]
-        if not todo:
+        if not todo and not held:  # none left to quantize: already done (from_pretrained)
             raise ValueError(
                 f"frozen_dtype={frozen_dtype!r}: the model has no frozen nn.Linear weight to "
                 "quantize; freeze the base first (e.g. peft.get_peft_model, or "
@@ -333,3 +338,46 @@ def host_bytes(model: nn.Module) -> tuple[int, int]:
             total += sum(t.numel() * t.element_size() for t in (m.weight_codes, m.weight_scales))
             values += m.in_features * m.out_features
     return total, values
+
+
+def dequantize_linears(model: nn.Module) -> None:
+    """Replaces every :class:`QuantizedLinear` of ``model`` (in place) by an ``nn.Linear``
+    holding its dequantized weight in its compute dtype (the values the model computes with)
+    and the same bias object: a plain model, e.g. to merge adapters into (the dense weights
+    take their full size in memory)."""
+    parents = [(parent, cname, child) for parent in model.modules()
+               for cname, child in parent._modules.items() if isinstance(child, QuantizedLinear)]
+    dense: dict[int, nn.Linear] = {}
+    for parent, cname, q in parents:
+        if id(q) not in dense:
+            lin = nn.Linear(q.in_features, q.out_features, bias=False, device="meta")
+            lin.weight = nn.Parameter(q.weight.detach(), requires_grad=False)
+            lin.bias = q.bias
+            dense[id(q)] = lin
+        parent._modules[cname] = dense[id(q)]
+
+
+def refuse_foreign_quantization(model: nn.Module, who: str) -> None:
+    """Raises TypeError when ``model`` holds weights quantized by another library: bitsandbytes
+    modules (what transformers' ``BitsAndBytesConfig(load_in_4bit=True)`` / ``load_in_8bit``
+    makes), or a model transformers quantized otherwise (``hf_quantizer`` set: GPTQ, AWQ, ...).
+    Their packed weights carry state (quantization maps, outlier handling) outside the tensors
+    RoundPipe streams; RoundPipe quantizes a frozen base itself instead
+    (``roundpipe.hf.from_pretrained(..., frozen_dtype="nf4")``)."""
+    for name, m in model.named_modules():
+        cls = type(m)
+        if cls.__module__.split(".")[0] == "bitsandbytes":
+            kind = "int8" if "8bit" in cls.__name__ else "nf4"
+            raise TypeError(
+                f"{who}: {name!r} is a bitsandbytes {cls.__name__} (a model loaded with "
+                "transformers' BitsAndBytesConfig); its packed weights and quantization state "
+                "are not streamed by RoundPipe. Load the full-precision checkpoint with "
+                f"roundpipe.hf.from_pretrained(path, frozen_dtype={kind!r}, "
+                "peft_config=...) instead: it quantizes the frozen base as it reads it")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", "?")
+        raise TypeError(
+            f"{who}: the model was quantized by transformers ({method}); RoundPipe streams "
+            "plain weights or its own quantized frozen base: load the full-precision checkpoint "
+            "with roundpipe.hf.from_pretrained(path, frozen_dtype='nf4', peft_config=...)")

@@ -59,7 +59,7 @@ from .optim import Adafactor as CpuAdafactor
 from .optim import CpuOptimizer, frozen_copy
 from .optimizer_thread import OptimizerThread
 from .param_copies import ParamCopies
-from .pipeline.threads import LayerGates, check_not_forked
+from .threads import LayerGates, check_not_forked
 from .stats import Stats
 from .torch_private import mark_stepped, step_hooks, tensor_version
 from .transfer import DeviceIO, GradDownload
@@ -182,7 +182,7 @@ class Steps:
 
     def check_not_forked(self, where: str) -> None:
         """Raises ``RuntimeError`` (naming ``where``) in a ``fork()``-ed child of the process
-        that started the optimizer thread (see :func:`roundpipe.pipeline.threads.check_not_forked`)."""
+        that started the optimizer thread (see :func:`roundpipe.threads.check_not_forked`)."""
         check_not_forked([self.thread.worker], where)
 
     def synchronize(self) -> None:

@@ -1,10 +1,10 @@
 """``RoundPipe``: the model wrapper, a thin facade over the parts the data flows through.
 
-Reading order: plan.py (layers, stages, devices) -> param_copies.py (the host model and
-optimizer copies) -> transfer/ (moving tensors to a device and back, counting bytes: the CPU
-device, CUDA) -> pipeline/ (schedule.py: each device's order of stage visits; stage.py: a
-stage on one microbatch; fetch.py: weights and prefetch; run.py: a pass, slots between
-stages; threads.py: workers and waits) -> optimizer_thread.py (the optimizer thread's queue
+Reading order: plan.py (layers, stages, devices) -> threads.py (workers and waits) ->
+param_copies.py (the host model and optimizer copies) -> transfer/ (moving tensors to a device
+and back, counting bytes: the CPU device, CUDA) -> pipeline/ (schedule.py: each device's order
+of stage visits; stage.py: a stage on one microbatch; fetch.py: weights and prefetch; run.py: a
+pass, slots between stages) -> optimizer_thread.py (the optimizer thread's queue
 and layer gates) -> steps.py (consuming gradients; synchronous, asynchronous and exact
 overlapped steps; loss scaling and clipping with grad_scaler.py and clipping.py) -> stats.py
 -> this file.
@@ -31,15 +31,18 @@ from .grad_scaler import GradScaler
 from .host_buffers import tune_malloc
 from .param_copies import ParamCopies
 from .pipeline.execute import draw_call_seed, in_layer
-from .quant import check_frozen_dtype, frozen_linears, quantize_frozen_linears
+from .quant import (check_frozen_dtype, frozen_linears, quantize_frozen_linears,
+                    refuse_foreign_quantization)
 from .pipeline.run import Layout, Pass
 from .pipeline.stage import AutocastState, PassSpec
-from .pipeline.threads import Worker, check_not_forked
-from .plan import PIN_MODES, make_stages, parse_devices, split_layers
+from .threads import Worker, check_not_forked
+from .plan import (check_layers, device_index, make_stages, parse_devices, shared_modules,
+                   split_layers)
 from .stats import Stats
 from .steps import StepReport, Steps
 from .torch_private import tree_map
 from .transfer import CpuIO
+from .transfer.cuda import PIN_MODES
 
 
 class RoundPipe(nn.Module):
@@ -151,6 +154,7 @@ class RoundPipe(nn.Module):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be an nn.Module, got {type(model).__name__}")
+        refuse_foreign_quantization(model, "RoundPipe")
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.device.type != "cpu":
                 raise ValueError(f"RoundPipe: {name!r} is on {t.device}; the model must be on "
@@ -177,7 +181,7 @@ class RoundPipe(nn.Module):
         check_frozen_dtype(frozen_dtype, "RoundPipe")
         if frozen_dtype is not None:
             frozen_linears(model, frozen_dtype)  # raises when there is nothing to quantize
-        checked = _check_layers(model, layers) if layers is not None else None
+        checked = check_layers(model, layers) if layers is not None else None
         self._comm = None
         if process_group is not None:
             self._comm = Comm(process_group, grad_reduction, shard_optimizer, Stats())
@@ -212,51 +216,10 @@ class RoundPipe(nn.Module):
         self._runtime_init()
 
     def _build_layout(self) -> None:
-        """What the pipeline needs beyond the layers: a lock per group of layers that share a
-        module across stages (``functional_call`` swaps a module's tensors while it runs),
-        the earlier stages each stage must wait for when they share a module holding buffers
-        (buffer updates in model order), and each stage's device bytes."""
-        stage_of = {li: st.index for st in self._stages for li in st.layers}
-        users: dict[int, set[int]] = {}        # module id -> layers using it
-        has_buffers: set[int] = set()
-        for li, layer in enumerate(self._layers):
-            for m in layer.modules():
-                users.setdefault(id(m), set()).add(li)
-                if any(b is not None for b in m._buffers.values()):
-                    has_buffers.add(id(m))
-        group = list(range(len(self._layers)))  # union-find over layers sharing a module
-
-        def find(a):
-            while group[a] != a:
-                group[a] = group[group[a]]
-                a = group[a]
-            return a
-
-        deps: list[set[int]] = [set() for _ in self._stages]
-        for mid, lis in users.items():
-            stages = sorted({stage_of[li] for li in lis})
-            if len(stages) < 2:
-                continue
-            first = min(lis)
-            for li in lis:
-                group[find(li)] = find(first)
-            if mid in has_buffers:
-                for s in stages[1:]:
-                    deps[s].update(e for e in stages if e < s)
-        roots = [find(li) for li in range(len(self._layers))]
-        locks = {r: threading.Lock() for r in roots if roots.count(r) > 1}
-        self._locks = [locks.get(r) for r in roots]
-        self._buffer_deps = [sorted(d) for d in deps]
-        self._stage_bytes = []
-        self._grad_numels = []
-        for st in self._stages:
-            seen: dict[int, torch.Tensor] = {}
-            for li in st.layers:
-                for t in list(self._layers[li].parameters()) + list(self._layers[li].buffers()):
-                    seen[id(t)] = t
-            self._stage_bytes.append(sum(t.numel() * t.element_size() for t in seen.values()))
-            self._grad_numels.append([t.numel() for t in seen.values()
-                                      if id(t) in self._copies.index.position])
+        """The pipeline's maps over the layers (:func:`roundpipe.plan.shared_modules`)."""
+        maps = shared_modules(self._layers, self._stages, self._copies.index.position)
+        self._locks, self._buffer_deps = maps.locks, maps.buffer_deps
+        self._stage_bytes, self._grad_numels = maps.stage_bytes, maps.grad_numels
 
     def _runtime_init(self) -> None:
         """Threads, per-device transfer state and synchronisation: rebuilt after unpickling or
@@ -283,7 +246,7 @@ class RoundPipe(nn.Module):
         self._call_owner: Optional[threading.Thread] = None
         self._call_name = ""
         closers = [w.close for w in self._workers] + [self._steps.close]
-        # threads end with the wrapper (at exit, pipeline.threads._stop_workers ends them)
+        # threads end with the wrapper (at exit, threads._stop_workers ends them)
         weakref.finalize(self, lambda: [close() for close in closers]).atexit = False
 
     _RUNTIME = ("_stats", "_workers", "_steps", "_ios", "_call_lock", "_call_owner", "_call_name",
@@ -445,7 +408,7 @@ class RoundPipe(nn.Module):
         another RoundPipe's layer; on the device workers otherwise."""
         gates = self._steps.begin_pass()
         run = Pass(spec, self._layout(), self._ios, gates, self._stats, grad_sink)
-        used = {v.stage % len(self.devices) for v in run.order}
+        used = {device_index(v.stage, len(self.devices)) for v in run.order}
         start = time.perf_counter()
         try:
             run.run(None if len(used) == 1 or in_layer() else self._workers)
@@ -786,22 +749,6 @@ class RoundPipe(nn.Module):
             result = self.module.load_state_dict(state_dict, strict=strict)
             self._copies.load(state_dict)
             return result
-
-
-def _check_layers(model: nn.Module, layers: Sequence[nn.Module]) -> list[nn.Module]:
-    """``layers`` as a list, checked: modules whose tensors all belong to ``model``."""
-    layers = list(layers)
-    if not layers:
-        raise ValueError("RoundPipe: layers must not be empty")
-    owned = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, nn.Module):
-            raise TypeError(f"RoundPipe: layers[{i}] must be an nn.Module, got {type(layer).__name__}")
-        for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
-            if id(t) not in owned:
-                raise ValueError(f"RoundPipe: {name!r} of layers[{i}] is not a parameter or "
-                                 "buffer of model; every layer must be a part of the model")
-    return layers
 
 
 def _forward_uncompiled(model: RoundPipe, args: tuple, num_microbatch: Optional[int],

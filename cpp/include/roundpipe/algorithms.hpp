@@ -14,7 +14,7 @@
   X(adagrad, Adagrad)           \
   X(adam, Adam)                 \
   X(adamax, Adamax)             \
-  X(asgd, Asgd)                 \
+  X(asgd, ASGD)                 \
   X(nadam, NAdam)               \
   X(radam, RAdam)               \
   X(rmsprop, RMSprop)           \

@@ -19,7 +19,7 @@ namespace roundpipe {
 
 /// Hyperparameters, named and defaulted as in torch.optim.ASGD (which checks only lr and
 /// weight_decay; lambd, alpha and t0 may be any value, as there).
-struct AsgdOptions {
+struct ASGDOptions {
   double lr = 1e-2;            ///< initial learning rate, >= 0
   double lambd = 1e-4;         ///< decay term
   double alpha = 0.75;         ///< power of the eta schedule
@@ -31,18 +31,18 @@ struct AsgdOptions {
   /// as the Python bindings).
   template <class F>
   static void for_each_field(F&& f) {
-    f("lr", &AsgdOptions::lr);
-    f("lambd", &AsgdOptions::lambd);
-    f("alpha", &AsgdOptions::alpha);
-    f("t0", &AsgdOptions::t0);
-    f("weight_decay", &AsgdOptions::weight_decay);
-    f("maximize", &AsgdOptions::maximize);
+    f("lr", &ASGDOptions::lr);
+    f("lambd", &ASGDOptions::lambd);
+    f("alpha", &ASGDOptions::alpha);
+    f("t0", &ASGDOptions::t0);
+    f("weight_decay", &ASGDOptions::weight_decay);
+    f("maximize", &ASGDOptions::maximize);
   }
 };
 
 /// ParamBuffers slots for ASGD (torch.optim.ASGD's state keys). `ax` starts as zeros; the 0-dim
 /// values start as torch sets them: step 0, eta = lr (rounded to float32), mu = 1.
-struct AsgdState {
+struct ASGDState {
   enum : int { ax = 0 };
   enum : int { step = 0, eta = 1, mu = 2 };  // scalar slots
   /// The slots' names, in slot order (torch.optim's state keys), for messages and bindings.
@@ -55,7 +55,11 @@ struct AsgdState {
 /// mu are replaced by their values for the new step. Throws roundpipe::Error naming the option
 /// or `tensors[i].<slot>` when an option is out of range or a required pointer is null; nothing
 /// is modified then.
-void asgd_step(const AsgdOptions& options, const ParamBuffers* tensors, std::size_t count,
+void asgd_step(const ASGDOptions& options, const ParamBuffers* tensors, std::size_t count,
                StepIO* io = nullptr);
+
+/// The old names (now spelled as torch.optim.ASGD, like SGD and NAdam): kept for one release.
+using AsgdOptions [[deprecated("renamed roundpipe::ASGDOptions")]] = ASGDOptions;
+using AsgdState [[deprecated("renamed roundpipe::ASGDState")]] = ASGDState;
 
 }  // namespace roundpipe

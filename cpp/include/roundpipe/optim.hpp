@@ -1,21 +1,4 @@
-// Umbrella header of the RoundPipe CPU optimizer library (target RoundPipe::optim).
+// The umbrella header's old name (now roundpipe/roundpipe.hpp): this forwarding header is kept
+// for one release.
 #pragma once
-#include "roundpipe/adadelta.hpp"
-#include "roundpipe/adafactor.hpp"
-#include "roundpipe/algorithms.hpp"
-#include "roundpipe/adagrad.hpp"
-#include "roundpipe/adam.hpp"
-#include "roundpipe/adamax.hpp"
-#include "roundpipe/asgd.hpp"
-#include "roundpipe/buffers.hpp"
-#include "roundpipe/compact.hpp"
-#include "roundpipe/error.hpp"
-#include "roundpipe/isa.hpp"
-#include "roundpipe/nadam.hpp"
-#include "roundpipe/optimizers.hpp"
-#include "roundpipe/radam.hpp"
-#include "roundpipe/rmsprop.hpp"
-#include "roundpipe/rprop.hpp"
-#include "roundpipe/sgd.hpp"
-#include "roundpipe/stream.hpp"
-#include "roundpipe/threads.hpp"
+#include "roundpipe/roundpipe.hpp"

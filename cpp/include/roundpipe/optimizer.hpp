@@ -26,11 +26,12 @@
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/compact.hpp"
 #include "roundpipe/error.hpp"
+#include "roundpipe/state_traits.hpp"
 #include "roundpipe/threads.hpp"
 
 namespace roundpipe {
 
-/// Specialised for each algorithm in roundpipe/optimizers.hpp:
+/// Specialised for each algorithm in roundpipe/optimizer_classes.hpp:
 ///   static constexpr const char* name;                     e.g. "Adam"
 ///   using State = ...;                                     its slot names, e.g. AdamState
 ///   static void step(const Options&, const ParamBuffers*, std::size_t, StepIO*);
@@ -41,6 +42,8 @@ namespace roundpipe {
 ///   static std::size_t state_numel(int slot, std::size_t numel, std::size_t rows,
 ///                                  std::size_t cols);      elements of a slot (default numel;
 ///                                                          Adafactor's factors are smaller)
+/// What is known from State alone (whether scalar slot 0 counts steps, which slots may be int8)
+/// is read from it (roundpipe/state_traits.hpp), not repeated here.
 template <class Options>
 struct AlgorithmTraits;
 
@@ -169,7 +172,8 @@ class Optimizer {
       }
       for (int k = 0; k < ParamBuffers::kMaxScalar; ++k) t.scalar[k] = &p.state.scalar[k];
       t.rounding_seed = rounding_seed(seed_, i);
-      if (!Traits::counts_steps && (t.param_bf16 || compact_state(p.state)))
+      if (!detail::counts_steps<typename Traits::State>() &&
+          (t.param_bf16 || compact_state(p.state)))
         t.rounding_seed = rounding_seed(t.rounding_seed, ++p.state.rounding_steps);
     }
     ThreadCountScope threads(num_threads_);
@@ -273,12 +277,8 @@ class Optimizer {
   }
 
   static constexpr bool int8_allowed() {
-    return detail_int8<typename Traits::State>(0);
+    return detail::Int8Slots<typename Traits::State>::allowed;
   }
-  template <class S>
-  static constexpr auto detail_int8(int) -> decltype(S::int8_signed, bool()) { return true; }
-  template <class S>
-  static constexpr bool detail_int8(long) { return false; }
   static bool is_signed(int k) {
     if constexpr (int8_allowed()) return Traits::State::int8_signed[k];
     else return true;

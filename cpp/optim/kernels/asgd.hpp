@@ -1,6 +1,6 @@
 // ASGD's element-wise update, written once over the SIMD vector types of cpp/optim/simd.
 //
-// AsgdCoeffs holds one tensor's float32 coefficients, computed by asgd_step (cpp/optim/asgd.cpp)
+// ASGDCoeffs holds one tensor's float32 coefficients, computed by asgd_step (cpp/optim/asgd.cpp)
 // from the tensor's stored eta and mu as torch.optim.ASGD computes them; the kernel applies, per
 // element, the same sequence of float32 operations as torch's single-tensor ASGD:
 //   g = maximize ? -grad : grad;   g = g + wd * p                      (grad.add(p, alpha=wd))
@@ -20,7 +20,7 @@
 namespace roundpipe {
 namespace detail {
 
-struct AsgdCoeffs {
+struct ASGDCoeffs {
   GradCoeffs grad;         // maximize, L2 weight decay (gradient.hpp)
   float decay;             // 1 - lambd * eta
   float neg_eta;
@@ -39,9 +39,9 @@ struct AsgdCoeffs {
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
-inline void asgd_kernel(detail::AsgdCoeffs c, ParamBuffers t, std::size_t begin,
+inline void asgd_kernel(detail::ASGDCoeffs c, ParamBuffers t, std::size_t begin,
                         std::size_t end) {
-  float* const ax = t.state[AsgdState::ax];
+  float* const ax = t.state[ASGDState::ax];
   const bool stream = !c.average && c.stream_ax &&
                       reinterpret_cast<std::uintptr_t>(ax + begin) % Vec::stream_f32_align == 0;
   for_range(begin, end, [&](auto tag, std::size_t i) {

@@ -12,6 +12,9 @@ one run. For each configuration (``CONFIGS``):
   1 thread, against its byte floor: the bytes it must move over the bandwidth of the streaming
   kernel (``stream_step``, 28 bytes per element) measured in the same round: medians and
   min-max ranges over ``--repeats`` interleaved rounds;
+- **loading** (:mod:`roundpipe.bench.loading`): peak RSS while loading a bf16 checkpoint
+  through ``roundpipe.hf.from_pretrained`` with LoRA on an NF4, int8 and bf16 base, over the
+  checkpoint's bf16 size;
 - **convergence**: the demo's model (``examples/train_qwen3.py``, a small Qwen3 configuration)
   trained for the same steps with each configuration: final training loss (mean of the last 10%
   of steps) and validation loss, their difference from float32 AdamW; all loss curves in one
@@ -253,6 +256,15 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-convergence", action="store_true")
+    ap.add_argument("--skip-loading", action="store_true",
+                    help="leave out the rows of roundpipe.hf.from_pretrained's peak RSS")
+    ap.add_argument("--load-layers", type=positive_int, default=18,
+                    help="decoder layers of the loaded Llama (default 18: 230 MB in bf16)")
+    ap.add_argument("--load-hidden", type=positive_int, default=768)
+    ap.add_argument("--load-repeats", type=positive_int, default=1,
+                    help="fresh processes per loading row (min-max over them)")
+    ap.add_argument("--load-kinds", nargs="+", default=["nf4", "int8", "bf16"],
+                    choices=["nf4", "int8", "bf16"], help="bases of the loading rows")
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/memory_ladder"),
                     help="folder for the convergence runs and the plot")
     ap.add_argument("--json", type=writable_path, help="also write the results as JSON")
@@ -279,6 +291,10 @@ def main(argv=None) -> None:
             result["convergence"][c.name] = run_convergence(c, args, args.out)
         plot(result["convergence"], args.out / "memory_ladder.png")
     print(format_table(result, configs))
+    if not args.skip_loading:
+        print("measuring peak RSS while loading through roundpipe.hf.from_pretrained...",
+              flush=True)
+        result["loading"] = loading_rows(args)
     if not args.skip_convergence:
         print(f"loss curves: {args.out / 'memory_ladder.png'}")
     if args.json:
@@ -286,6 +302,20 @@ def main(argv=None) -> None:
         for m in conv.values():
             m.pop("sample", None)
         write_json(args.json, result)
+
+
+def loading_rows(args) -> dict:
+    """The rows of :mod:`roundpipe.bench.loading` (peak RSS while loading through
+    ``roundpipe.hf.from_pretrained``, NF4 / int8 / bf16 base, against the bf16 size), printed."""
+    import tempfile
+
+    from .loading import format_loading, measure_loading
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = measure_loading(pathlib.Path(tmp), args.load_layers, args.load_hidden,
+                               args.load_repeats, args.load_kinds)
+    print(format_loading(rows))
+    return rows
 
 
 def format_table(result: dict, configs: list[Config]) -> str:

@@ -8,11 +8,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..quant import refuse_foreign_quantization
 from ..wrapper import RoundPipe
 from . import moe, save
 from .layers import Decoder, Postfix, Prefix, RoutingState
 from .loss import count_items
-from .wrap import Parts, check_logits, disable_gradient_checkpointing
+from .parts import Parts, check_logits, disable_gradient_checkpointing
 
 # keyword arguments of HF's ForCausalLM.forward that the wrapper honours
 _INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
@@ -38,6 +39,7 @@ class HFRoundPipe(RoundPipe):
                              f"got {loss_chunk_size!r}")
         if "layers" in roundpipe_kwargs:
             raise TypeError("wrap_model_to_roundpipe: layers= is built from the model; not accepted")
+        refuse_foreign_quantization(model, "wrap_model_to_roundpipe")
         peft = _peft_base(model)
         hf = model if peft is None else peft.get_base_model()
         parts = Parts(hf)

@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..quant import dequantize_linears
+
 
 def _cast(state_dict: dict, dtype: torch.dtype) -> dict:
     """Floating tensors rounded to ``dtype``; tensors shared between keys (tied weights) stay
@@ -42,22 +44,18 @@ def save_pretrained(wrapper: Any, save_directory: str, dtype: Optional[torch.dty
     ``max_shard_size``).
 
     With ``frozen_dtype`` (quantized frozen base), a transformers model is written with each
-    quantized weight dequantized in the model dtype (the values the model computed with).
+    quantized weight dequantized in the model dtype (the values the model computed with); with
+    ``merged=True``, the adapters are merged into those dequantized values (the temporary fp32
+    copy is then the dense model's size).
 
     Raises:
         TypeError: ``dtype`` is not a floating dtype; ``merged=True`` for a model without PEFT.
-        NotImplementedError: ``merged=True`` on a quantized frozen base.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"save_pretrained: dtype must be a floating torch.dtype, got {dtype!r}")
     peft = wrapper.peft_model
     if merged and peft is None:
         raise TypeError("save_pretrained: merged=True is for PEFT models")
-    if merged and getattr(wrapper, "frozen_dtype", None) is not None:
-        raise NotImplementedError(
-            f"save_pretrained: merged=True with frozen_dtype={wrapper.frozen_dtype!r} is not "
-            "supported yet (PEFT would merge into the dequantized copy and drop the result); "
-            "save the adapter (merged=False) and merge it into the original base")
     hf = wrapper.hf_model
     dtype = dtype or hf.dtype
     state = wrapper.state_dict()
@@ -68,7 +66,9 @@ def save_pretrained(wrapper: Any, save_directory: str, dtype: Optional[torch.dty
         peft.save_pretrained(save_directory, state_dict=_cast(state, dtype), **kwargs)
         return
     if peft is not None:
-        full = copy.deepcopy(peft).float()
+        full = copy.deepcopy(peft)
+        dequantize_linears(full)  # a quantized base: merged into its dequantized values
+        full = full.float()
         full.load_state_dict(state)
         hf_out = full.merge_and_unload()
         state = hf_out.state_dict()

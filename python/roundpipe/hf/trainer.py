@@ -543,7 +543,8 @@ class _WrapModel(Trainer):
 
     def _to_roundpipe(self, model: Any, args: Any):
         from .model import HFRoundPipe
-        from .wrap import is_hf_model, wrap_model_to_roundpipe
+        from .parts import is_hf_model
+        from .wrap import wrap_model_to_roundpipe
 
         if isinstance(model, RoundPipe):
             if not isinstance(model, HFRoundPipe):

@@ -55,6 +55,10 @@ def check_betas(betas: Any) -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]}")
 
 
+# the option fields of the Adam family: torch's ``betas`` pair (see ``_option_keys``)
+BETAS = {"beta1": ("betas", 0), "beta2": ("betas", 1)}
+
+
 def mark_updated(params: list, model_copies: Optional[list] = None) -> None:
     """The kernels write through raw pointers, which autograd cannot see: bump the version
     counters of the updated parameters (and model copies) as torch's in-place ops do, so that
@@ -127,14 +131,21 @@ class CpuOptimizer(Optimizer):
     A subclass validates its hyperparameters as torch does, calls ``__init__`` with its
     defaults, and declares:
 
-    - ``_kernel``: the ``roundpipe._C.<name>_step`` function;
-    - ``_state_keys``: its per-element state tensors, in the kernel's slot order;
-    - ``_scalar_keys``: its 0-dim float32 state tensors, ``"step"`` first;
+    - ``_algorithm``: its C++ algorithm, a key of ``roundpipe._C.algorithms`` (e.g. ``"Adam"``).
+      The tables below are derived from it when the class is created, from the metadata the
+      C++ headers export (the single source): ``_kernel`` (``roundpipe._C.<name>_step``),
+      ``_state_keys`` (the per-element state tensors, in the kernel's slot order:
+      ``<Name>State.state_names``), ``_scalar_keys`` (the 0-dim float32 state tensors,
+      ``"step"`` first: ``<Name>State.scalar_names``, unless the class sets its own),
+      ``_int8_signed`` (from ``<Name>State.int8_signed``) and the option fields of
+      :meth:`_options` (``<Name>Options.fields``);
+    - ``_option_keys``: the C++ option fields that torch names otherwise, each mapped to
+      ``(param group key, index in it)``, e.g. ``{"beta1": ("betas", 0)}``; every other field
+      is read from the group key of its own name;
     - ``_active_state_keys(group)``: the state keys a group uses (default: all);
     - ``_group_defaults``: the options torch's ``__setstate__`` adds to old param groups;
     - ``_init_state(group, p, state)``: fills a parameter's empty state as torch initialises
-      it (default: zeros; see below);
-    - ``_options(group)``: the ``roundpipe._C.<Name>Options`` for a group.
+      it (default: zeros; see below).
 
     ``foreach`` and ``fused`` are accepted and ignored with a ``UserWarning`` (the group keeps
     ``None``); ``capturable=True`` or ``differentiable=True`` is a ``ValueError``, also when it
@@ -156,17 +167,50 @@ class CpuOptimizer(Optimizer):
       the seed, the parameter's position in the optimizer and its step count (for SGD, the
       optimizer's count of kernel calls): the same on every thread count.
 
-    A subclass that allows int8 state declares ``_int8_signed`` (state key -> whether its
-    values take either sign: the signed map, else the unsigned one).
+    ``_int8_signed`` (state key -> whether its values take either sign: the signed map, else
+    the unsigned one) is empty for an algorithm that does not allow int8 state.
     """
 
+    _algorithm: str = ""
+    _option_keys: dict[str, tuple[str, int]] = {}
     _kernel: Callable[..., None]
     _state_keys: tuple[str, ...] = ()
     _int8_signed: dict[str, bool] = {}
     _scalar_keys: tuple[str, ...] = ("step",)
+    _options_type: Any = None
+    # per C++ option field: (field, param group key, index in it or None, whether a float)
+    _option_fields: tuple[tuple[str, str, Optional[int], bool], ...] = ()
     # options the torch class's __setstate__ adds to param groups of old checkpoints
     _group_defaults: dict[str, Any] = {"foreach": None, "maximize": False,
                                        "differentiable": False, "capturable": False}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Derives the class's tables from the C++ algorithm it names in its own body
+        (``_algorithm``; a subclass that names none, such as AdamW, keeps its parent's).
+
+        Raises:
+            TypeError: ``_algorithm`` is not one of ``roundpipe._C.algorithms``.
+        """
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("_algorithm")
+        if name is None:
+            return
+        if name not in _C.algorithms:
+            raise TypeError(f"{cls.__name__}._algorithm: {name!r} is not a C++ algorithm "
+                            f"(roundpipe._C.algorithms: {sorted(_C.algorithms)})")
+        state = getattr(_C, f"{name}State")
+        cls._kernel = getattr(_C, f"{_C.algorithms[name]}_step")
+        cls._state_keys = tuple(state.state_names)
+        cls._int8_signed = ({} if state.int8_signed is None
+                            else dict(zip(state.state_names, state.int8_signed)))
+        if "_scalar_keys" not in cls.__dict__:
+            cls._scalar_keys = tuple(state.scalar_names)
+        cls._options_type = getattr(_C, f"{name}Options")
+        defaults = cls._options_type()
+        cls._option_fields = tuple(
+            (field, *cls._option_keys.get(field, (field, None)),
+             isinstance(getattr(defaults, field), float))
+            for field in cls._options_type.fields)
 
     def __init__(self, params, defaults: dict[str, Any], *, state_dtype: Any = torch.float32,
                  stochastic_rounding: bool = False, seed: Optional[int] = None) -> None:
@@ -437,7 +481,16 @@ class CpuOptimizer(Optimizer):
         self._scalar_state_to_tensors()
 
     def _options(self, group: dict[str, Any]) -> Any:
-        raise NotImplementedError
+        """The ``roundpipe._C.<Name>Options`` of a param group: every C++ field from the group
+        key of its name (or its ``_option_keys`` entry), floats through :func:`scalar` (so a
+        tensor ``lr`` or beta is read at every step)."""
+        options = self._options_type()
+        for field, key, index, is_float in self._option_fields:
+            value = group[key] if index is None else group[key][index]
+            if is_float and type(value) is not float:  # a float as is: the common case, fast
+                value = scalar(value)
+            setattr(options, field, value)
+        return options
 
     def _step_group(self, group: dict[str, Any]) -> None:
         """One kernel call over the group with the parameters' own ``.grad``: through the

@@ -7,8 +7,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .. import _C
-from ._base import CpuOptimizer, check_lr, check_non_negative, scalar
+from ._base import CpuOptimizer, check_lr, check_non_negative
 
 
 class Adadelta(CpuOptimizer):
@@ -43,8 +42,7 @@ class Adadelta(CpuOptimizer):
         TypeError, ValueError, RuntimeError at ``step``: see :meth:`CpuOptimizer.step`.
     """
 
-    _kernel = _C.adadelta_step
-    _state_keys = ("square_avg", "acc_delta")
+    _algorithm = "Adadelta"  # kernel, state and option tables: from roundpipe._C
 
     def __init__(
         self,
@@ -79,13 +77,3 @@ class Adadelta(CpuOptimizer):
         )
         super().__init__(params, defaults, state_dtype=state_dtype,
                          stochastic_rounding=stochastic_rounding, seed=seed)
-
-
-    def _options(self, group):
-        o = _C.AdadeltaOptions()
-        o.lr = scalar(group["lr"])
-        o.rho = group["rho"]
-        o.eps = group["eps"]
-        o.weight_decay = group["weight_decay"]
-        o.maximize = group["maximize"]
-        return o

@@ -7,8 +7,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .. import _C
-from ._base import CpuOptimizer, check_tensor_lr, scalar
+from ._base import CpuOptimizer, check_tensor_lr
 
 
 class Adafactor(CpuOptimizer):
@@ -55,8 +54,8 @@ class Adafactor(CpuOptimizer):
             ``state_dtype`` is not float32.
     """
 
-    _kernel = _C.adafactor_step
-    _state_keys = ("row_var", "col_var", "variance")
+    _algorithm = "Adafactor"  # kernel, state and option tables: from roundpipe._C
+    _option_keys = {"eps1": ("eps", 0), "eps2": ("eps", 1)}
     _group_defaults = {"foreach": None}
 
     def __init__(
@@ -124,15 +123,8 @@ class Adafactor(CpuOptimizer):
             self._new_state(p, state, "variance")
 
     def _options(self, group):
-        o = _C.AdafactorOptions()
-        o.lr = scalar(group["lr"])
-        o.beta2_decay = group["beta2_decay"]
-        eps1, o.eps2 = group["eps"]
+        eps1, eps2 = group["eps"]
         if eps1 is None:  # as torch: the machine epsilon of the (first) parameter's dtype
             params = group["params"]
             eps1 = torch.finfo(params[0].dtype if params else torch.float32).eps
-        o.eps1 = eps1
-        o.d = group["d"]
-        o.weight_decay = group["weight_decay"]
-        o.maximize = group["maximize"]
-        return o
+        return super()._options({**group, "eps": (eps1, eps2)})

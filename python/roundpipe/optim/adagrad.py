@@ -7,8 +7,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .. import _C
-from ._base import CpuOptimizer, check_lr, check_non_negative, scalar
+from ._base import CpuOptimizer, check_lr, check_non_negative
 
 
 class Adagrad(CpuOptimizer):
@@ -50,9 +49,7 @@ class Adagrad(CpuOptimizer):
             ``differentiable`` is True.
     """
 
-    _kernel = _C.adagrad_step
-    _state_keys = ("sum",)
-    _int8_signed = {"sum": False}
+    _algorithm = "Adagrad"  # kernel, state and option tables: from roundpipe._C
     _group_defaults = {"foreach": None, "maximize": False, "differentiable": False, "fused": None}
 
     def __init__(
@@ -105,12 +102,3 @@ class Adagrad(CpuOptimizer):
         # group that names its own initial_accumulator_value.
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         self._new_state(p, state, "sum", fill=self.defaults["initial_accumulator_value"])
-
-    def _options(self, group):
-        o = _C.AdagradOptions()
-        o.lr = scalar(group["lr"])
-        o.lr_decay = group["lr_decay"]
-        o.weight_decay = group["weight_decay"]
-        o.eps = group["eps"]
-        o.maximize = group["maximize"]
-        return o

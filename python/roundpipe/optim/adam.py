@@ -6,8 +6,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from .. import _C
-from ._base import CpuOptimizer, check_betas, check_lr, check_non_negative, scalar
+from ._base import BETAS, CpuOptimizer, check_betas, check_lr, check_non_negative, scalar
 
 
 class Adam(CpuOptimizer):
@@ -45,9 +44,8 @@ class Adam(CpuOptimizer):
             ``differentiable`` is True.
     """
 
-    _kernel = _C.adam_step
-    _state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-    _int8_signed = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
+    _algorithm = "Adam"  # kernel, state and option tables: from roundpipe._C
+    _option_keys = BETAS
     _group_defaults = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                        "differentiable": False, "decoupled_weight_decay": False, "fused": None}
 
@@ -100,14 +98,3 @@ class Adam(CpuOptimizer):
 
     def _active_state_keys(self, group):
         return self._state_keys if group["amsgrad"] else self._state_keys[:2]
-
-    def _options(self, group):
-        o = _C.AdamOptions()
-        o.lr = scalar(group["lr"])
-        o.beta1, o.beta2 = (scalar(b) for b in group["betas"])
-        o.eps = group["eps"]
-        o.weight_decay = group["weight_decay"]
-        o.amsgrad = group["amsgrad"]
-        o.maximize = group["maximize"]
-        o.decoupled_weight_decay = group["decoupled_weight_decay"]
-        return o

@@ -7,8 +7,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from .. import _C
-from ._base import CpuOptimizer, check_betas, check_lr, check_non_negative, scalar
+from ._base import BETAS, CpuOptimizer, check_betas, check_lr, check_non_negative
 
 
 class Adamax(CpuOptimizer):
@@ -47,9 +46,8 @@ class Adamax(CpuOptimizer):
         TypeError, ValueError, RuntimeError at ``step``: see :meth:`CpuOptimizer.step`.
     """
 
-    _kernel = _C.adamax_step
-    _state_keys = ("exp_avg", "exp_inf")
-    _int8_signed = {"exp_avg": True, "exp_inf": False}
+    _algorithm = "Adamax"  # kernel, state and option tables: from roundpipe._C
+    _option_keys = BETAS
 
     def __init__(
         self,
@@ -83,13 +81,3 @@ class Adamax(CpuOptimizer):
         )
         super().__init__(params, defaults, state_dtype=state_dtype,
                          stochastic_rounding=stochastic_rounding, seed=seed)
-
-
-    def _options(self, group):
-        o = _C.AdamaxOptions()
-        o.lr = scalar(group["lr"])
-        o.beta1, o.beta2 = (scalar(b) for b in group["betas"])
-        o.eps = group["eps"]
-        o.weight_decay = group["weight_decay"]
-        o.maximize = group["maximize"]
-        return o

@@ -7,7 +7,6 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .. import _C
 from ._base import CpuOptimizer, check_lr, check_non_negative, scalar
 
 
@@ -56,9 +55,7 @@ class ASGD(CpuOptimizer):
         TypeError, ValueError, RuntimeError at ``step``: see :meth:`CpuOptimizer.step`.
     """
 
-    _kernel = _C.asgd_step
-    _state_keys = ("ax",)
-    _scalar_keys = ("step", "eta", "mu")
+    _algorithm = "ASGD"  # kernel, state and option tables: from roundpipe._C
 
     def __init__(
         self,
@@ -98,13 +95,3 @@ class ASGD(CpuOptimizer):
         state["eta"] = torch.tensor(scalar(group["lr"]), dtype=torch.float32)
         state["mu"] = torch.ones((), dtype=torch.float32)
         self._new_state(p, state, "ax")
-
-    def _options(self, group):
-        o = _C.AsgdOptions()
-        o.lr = scalar(group["lr"])
-        o.lambd = group["lambd"]
-        o.alpha = group["alpha"]
-        o.t0 = group["t0"]
-        o.weight_decay = group["weight_decay"]
-        o.maximize = group["maximize"]
-        return o

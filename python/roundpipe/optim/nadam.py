@@ -6,8 +6,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from .. import _C
-from ._base import CpuOptimizer, check_betas, check_lr, check_non_negative, scalar
+from ._base import BETAS, CpuOptimizer, check_betas, check_lr, check_non_negative
 
 
 class NAdam(CpuOptimizer):
@@ -45,10 +44,8 @@ class NAdam(CpuOptimizer):
             ``differentiable`` is True.
     """
 
-    _kernel = _C.nadam_step
-    _state_keys = ("exp_avg", "exp_avg_sq")
-    _int8_signed = {"exp_avg": True, "exp_avg_sq": False}
-    _scalar_keys = ("step", "mu_product")
+    _algorithm = "NAdam"  # kernel, state and option tables: from roundpipe._C
+    _option_keys = BETAS
     _group_defaults = {**CpuOptimizer._group_defaults, "decoupled_weight_decay": False}
 
     def __init__(
@@ -94,14 +91,3 @@ class NAdam(CpuOptimizer):
         state["mu_product"] = torch.tensor(1.0, dtype=torch.float32)
         self._new_state(p, state, "exp_avg")
         self._new_state(p, state, "exp_avg_sq")
-
-    def _options(self, group):
-        o = _C.NAdamOptions()
-        o.lr = scalar(group["lr"])
-        o.beta1, o.beta2 = (scalar(b) for b in group["betas"])
-        o.eps = group["eps"]
-        o.weight_decay = group["weight_decay"]
-        o.momentum_decay = group["momentum_decay"]
-        o.decoupled_weight_decay = group["decoupled_weight_decay"]
-        o.maximize = group["maximize"]
-        return o

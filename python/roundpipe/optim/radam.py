@@ -6,8 +6,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from .. import _C
-from ._base import CpuOptimizer, check_betas, check_lr, check_non_negative, scalar
+from ._base import BETAS, CpuOptimizer, check_betas, check_lr, check_non_negative
 
 
 class RAdam(CpuOptimizer):
@@ -46,9 +45,8 @@ class RAdam(CpuOptimizer):
             ``differentiable`` is True.
     """
 
-    _kernel = _C.radam_step
-    _state_keys = ("exp_avg", "exp_avg_sq")
-    _int8_signed = {"exp_avg": True, "exp_avg_sq": False}
+    _algorithm = "RAdam"  # kernel, state and option tables: from roundpipe._C
+    _option_keys = BETAS
     _group_defaults = {**CpuOptimizer._group_defaults, "decoupled_weight_decay": False}
 
     def __init__(
@@ -85,14 +83,3 @@ class RAdam(CpuOptimizer):
         )
         super().__init__(params, defaults, state_dtype=state_dtype,
                          stochastic_rounding=stochastic_rounding, seed=seed)
-
-
-    def _options(self, group):
-        o = _C.RAdamOptions()
-        o.lr = scalar(group["lr"])
-        o.beta1, o.beta2 = (scalar(b) for b in group["betas"])
-        o.eps = group["eps"]
-        o.weight_decay = group["weight_decay"]
-        o.decoupled_weight_decay = group["decoupled_weight_decay"]
-        o.maximize = group["maximize"]
-        return o

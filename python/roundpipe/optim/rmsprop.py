@@ -7,8 +7,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .. import _C
-from ._base import CpuOptimizer, check_lr, check_non_negative, scalar
+from ._base import CpuOptimizer, check_lr, check_non_negative
 
 
 class RMSprop(CpuOptimizer):
@@ -48,9 +47,7 @@ class RMSprop(CpuOptimizer):
             ``capturable`` / ``differentiable`` is True.
     """
 
-    _kernel = _C.rmsprop_step
-    _state_keys = ("square_avg", "momentum_buffer", "grad_avg")
-    _int8_signed = {"square_avg": False, "momentum_buffer": True, "grad_avg": True}
+    _algorithm = "RMSprop"  # kernel, state and option tables: from roundpipe._C
     _group_defaults = {**CpuOptimizer._group_defaults, "momentum": 0, "centered": False}
 
     def __init__(
@@ -108,14 +105,3 @@ class RMSprop(CpuOptimizer):
         if group["centered"]:
             keys += ("grad_avg",)
         return keys
-
-    def _options(self, group):
-        o = _C.RMSpropOptions()
-        o.lr = scalar(group["lr"])
-        o.alpha = group["alpha"]
-        o.eps = group["eps"]
-        o.weight_decay = group["weight_decay"]
-        o.momentum = group["momentum"]
-        o.centered = group["centered"]
-        o.maximize = group["maximize"]
-        return o

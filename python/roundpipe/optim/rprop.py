@@ -6,8 +6,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from .. import _C
-from ._base import CpuOptimizer, check_lr, scalar
+from ._base import CpuOptimizer, check_lr
 
 
 class Rprop(CpuOptimizer):
@@ -50,8 +49,9 @@ class Rprop(CpuOptimizer):
             ``differentiable`` is True.
     """
 
-    _kernel = _C.rprop_step
-    _state_keys = ("prev", "step_size")
+    _algorithm = "Rprop"  # kernel, state and option tables: from roundpipe._C
+    _option_keys = {"etaminus": ("etas", 0), "etaplus": ("etas", 1),
+                    "step_size_min": ("step_sizes", 0), "step_size_max": ("step_sizes", 1)}
 
     def __init__(
         self,
@@ -90,11 +90,3 @@ class Rprop(CpuOptimizer):
         state["step"] = torch.zeros((), dtype=torch.float32)
         self._new_state(p, state, "prev")
         self._new_state(p, state, "step_size", fill=float(lr))
-
-    def _options(self, group):
-        o = _C.RpropOptions()
-        o.lr = scalar(group["lr"])
-        o.etaminus, o.etaplus = (scalar(e) for e in group["etas"])
-        o.step_size_min, o.step_size_max = (scalar(s) for s in group["step_sizes"])
-        o.maximize = group["maximize"]
-        return o

@@ -6,8 +6,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .. import _C
-from ._base import CpuOptimizer, mark_updated, check_tensor_lr, scalar
+from ._base import CpuOptimizer, mark_updated, check_tensor_lr
 
 # The kernel's flag for a momentum buffer that already holds a value. The kernel writes a flag
 # only when it turns it from 0 to 1, so this one tensor serves every such buffer and is never
@@ -51,9 +50,9 @@ class SGD(CpuOptimizer):
             dampening (as torch.optim.SGD), or ``differentiable`` is True.
     """
 
-    _kernel = _C.sgd_step
-    _state_keys = ("momentum_buffer",)
-    _int8_signed = {"momentum_buffer": True}
+    _algorithm = "SGD"  # kernel, state and option tables: from roundpipe._C
+    # the kernel's one 0-dim slot (SGDState.scalar_names: momentum_buffer_ready) is not a state
+    # key of torch's: the step passes it itself (_plan_scalars, _step_tensors)
     _scalar_keys = ()
     _group_defaults = {"nesterov": False, "maximize": False, "foreach": None,
                        "differentiable": False, "fused": False}
@@ -146,13 +145,3 @@ class SGD(CpuOptimizer):
 
     def _active_state_keys(self, group):
         return self._state_keys if group["momentum"] != 0 else ()
-
-    def _options(self, group):
-        o = _C.SGDOptions()
-        o.lr = scalar(group["lr"])
-        o.momentum = group["momentum"]
-        o.dampening = group["dampening"]
-        o.weight_decay = scalar(group["weight_decay"])
-        o.nesterov = group["nesterov"]
-        o.maximize = group["maximize"]
-        return o

@@ -2,7 +2,7 @@
 or earlier (prefetch) when the device supports it and it keeps the memory bound.
 
 A visit's upload first waits until none of its layers is being written by the optimizer
-side (:class:`roundpipe.pipeline.threads.LayerGates`) and until every earlier stage that
+side (:class:`roundpipe.threads.LayerGates`) and until every earlier stage that
 shares a module holding buffers with it has finished its forward visit (so buffer updates,
 e.g. BatchNorm statistics of a module used twice, happen in model order). The next visit's
 weights are prefetched only when that is already true, when the device is done with the
@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from ..stats import Stats
 from ..transfer import DeviceIO, StageWeights, TensorRef
 from .schedule import Visit
-from .threads import LayerGates, Slot
+from ..threads import LayerGates, Slot
 
 
 class WeightFetcher:

@@ -1,6 +1,6 @@
 """The executor of one pass: each device follows its order of visits (:mod:`.schedule`),
 calling the stage (:mod:`.stage`) one microbatch at a time and handing results between
-stages through :class:`~roundpipe.pipeline.threads.Slot` s on the host.
+stages through :class:`~roundpipe.threads.Slot` s on the host.
 
 Slots: ``acts[s][m]`` is what stage ``s`` receives for microbatch ``m`` (a host tree and the
 event of its copy), ``grads[s][m]`` the gradient of that input (a host list aligned with the
@@ -24,13 +24,13 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from ..plan import Stage
+from ..plan import Stage, device_index
 from ..stats import Stats
 from ..transfer import DeviceIO, GradDownload, TensorRef
 from .fetch import WeightFetcher
 from .schedule import Visit, device_orders, pass_order
 from .stage import PassSpec, StageVisit
-from .threads import LayerGates, Slot, Worker, run_all
+from ..threads import LayerGates, Slot, Worker, run_all
 
 
 @dataclass
@@ -129,7 +129,7 @@ class Pass:
         try:
             if workers is None:
                 for v in self.order:
-                    runners[v.stage % D].run_next()
+                    runners[device_index(v.stage, D)].run_next()
             else:
                 run_all([workers[d] for d in used],
                         [functools.partial(_run_device, runners[d]) for d in used], abort)

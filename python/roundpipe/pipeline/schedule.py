@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..plan import device_index
+
 
 class Visit(NamedTuple):
     """One stage's turn on its device; ``backward``: recomputation + backward (see above)."""
@@ -49,8 +51,9 @@ def pass_order(num_stages: int, training: bool, first_backward: int = 0) -> list
 
 
 def device_orders(order: list[Visit], num_devices: int) -> list[list[Visit]]:
-    """Each device's visits, in global order: stage ``s`` on device ``s % num_devices``."""
+    """Each device's visits, in global order: stage ``s`` on device ``s % num_devices``
+    (:func:`roundpipe.plan.device_index`)."""
     out: list[list[Visit]] = [[] for _ in range(num_devices)]
     for v in order:
-        out[v.stage % num_devices].append(v)
+        out[device_index(v.stage, num_devices)].append(v)
     return out

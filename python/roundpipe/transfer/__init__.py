@@ -1,6 +1,5 @@
 """Moving tensors between the host and compute devices: the interface and what every device
-type shares (:mod:`.base`), the CPU device (:mod:`.cpu`) and CUDA devices (:mod:`.cuda`,
-imported only when a CUDA device is used)."""
+type shares (:mod:`.base`), the CPU device (:mod:`.cpu`) and CUDA devices (:mod:`.cuda`)."""
 
 from .base import DeviceIO, GradDownload, StageWeights, TensorRef, current_io, io_scope
 from .cpu import CpuIO

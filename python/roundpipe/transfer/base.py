@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from ..pipeline.threads import Permits
+from ..threads import Permits
 from ..stats import Stats
 from ..torch_private import tensor_version, tree_map
 

@@ -1,8 +1,9 @@
 """CUDA compute devices: pinned host memory of exact size, one stream per kind of traffic,
 events between them, backpressure, and a pinned staging ring for gradient downloads.
 
-Imported only when a CUDA device is given to ``RoundPipe`` (never at ``import roundpipe``), so
-CPU-only use never touches CUDA. Per device (:class:`CudaIO`, used by that device's worker,
+Importing it touches no CUDA state (the wrapper reads :data:`PIN_MODES` from here for any
+device); CUDA is first used when a CUDA device is given to ``RoundPipe``, so CPU-only use never
+touches it. Per device (:class:`CudaIO`, used by that device's worker,
 and by the optimizer side to wait for and release gradient downloads):
 
 - ``weights`` stream: uploads of stage weights and buffers from the pinned host model copy;
@@ -130,6 +131,9 @@ def _unique_tensors(model: nn.Module) -> tuple[list[nn.Parameter], dict[int, lis
     return params, buffers
 
 
+PIN_MODES = ("auto", "alloc", "register", "off")  # RoundPipe(pin_memory=...), see above
+
+
 def pin_host_model(model: nn.Module, mode: str, device: torch.device) -> tuple[str, int]:
     """Puts the host model copy (parameters and buffers) in page-locked memory, so uploads are
     asynchronous DMA copies (see the module docstring for the modes). If pinning fails (e.g.
@@ -138,7 +142,8 @@ def pin_host_model(model: nn.Module, mode: str, device: torch.device) -> tuple[s
     if mode == "off":
         return "off", 0
     params, buffers = _unique_tensors(model)
-    tensors = [p.data for p in params] + [h[0][0]._buffers[h[0][1]] for h in buffers.values()]
+    tensors = [p.data for p in params] + [module_buffers(h[0][0])[h[0][1]]
+                                          for h in buffers.values()]
     todo = [t for t in tensors if t.numel() and not t.is_pinned()]
     try:
         if mode in ("auto", "alloc"):
@@ -157,7 +162,7 @@ def pin_host_model(model: nn.Module, mode: str, device: torch.device) -> tuple[s
                     if key in views:
                         p.data = views[key]
                 for holders in buffers.values():
-                    b = holders[0][0]._buffers[holders[0][1]]
+                    b = module_buffers(holders[0][0])[holders[0][1]]
                     key = (b.data_ptr(), b.dtype, b.shape)
                     if key in views:
                         for module, name in holders:

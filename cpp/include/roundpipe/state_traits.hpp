@@ -1,6 +1,10 @@
-// Internal: what the generic code needs to know of an algorithm's State struct
-// (roundpipe/<name>.hpp): whether it counts steps, and which state slots may be int8.
+// What generic code needs to know of an algorithm's State struct (roundpipe/<name>.hpp),
+// derived from its state_names / scalar_names / int8_signed: whether it counts steps, and which
+// state slots may be int8 and with which map. Used by the kernels (cpp/optim), the
+// Optimizer<Options> class template and the Python bindings; namespace detail: not an API of
+// its own.
 #pragma once
+#include <cstddef>
 #include <string_view>
 #include <type_traits>
 
