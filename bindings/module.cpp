@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dequant.hpp"
 #include "roundpipe/roundpipe.hpp"
 #include "step_plan.hpp"
 #include "tensors.hpp"
@@ -316,6 +317,8 @@ NB_MODULE(_C, m) {
     });
   }, nb::arg("src"), nb::arg("seed"), nb::arg("dst"),
      "roundpipe::round_bf16_stochastic: float32 `src` into bfloat16 `dst`, stream `seed`.");
+
+  def_dequant(m);  // quantized weights (dequant.hpp)
 
   m.def("supported_isas", [] {
     std::vector<std::string> out;

@@ -6,11 +6,13 @@
 # benchmark on a ~1.4B-parameter bf16 model against plain PyTorch on the same GPU (tokens/s,
 # waits, upload GB/s against a pinned copy's peak, reserved memory, bytes moved over their
 # floor), then the generation benchmark (tokens/s against plain transformers generate on the
-# same GPU, batch 1 and 64, weight bytes per generated token), and prints the tables.
+# same GPU, batch 1 and 64, weight bytes per generated token), then LoRA on an NF4 frozen base
+# (tokens/s and upload bytes against a bf16 base; one layer's dequantization time against its
+# upload time, bitsandbytes' dequantize_4bit alongside when installed), and prints the tables.
 # Budget: under 10 minutes on one H200.
 #   bash scripts/gpu_check.sh              # PYTHON=... to use another interpreter
 # Results also go to $OUT (or /tmp/gpu_check): test_gpu.txt, pipeline.json, generate.json,
-# table.txt.
+# qlora.json, table.txt.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
@@ -61,4 +63,11 @@ start=$SECONDS
   --hidden 2048 --heads 16 --kv-heads 8 --vocab 32000 --prompt 128 --new-tokens 32 \
   --batch 1 64 --repeats 5 --json "$out/generate.json") | tee -a "$out/table.txt"
 echo "generation benchmark in $((SECONDS - start)) s"
+
+echo "== LoRA on an NF4 base on CUDA: tokens/s and uploads against a bf16 base (Llama 4 x 2048),"
+echo "   one 4096 x 11008 layer's dequantization against its upload (bitsandbytes' alongside)"
+start=$SECONDS
+(cd /tmp && $PY -m roundpipe.bench.qlora --device cuda:0 --hidden 2048 --layers 4 --seq 512 \
+  --repeats 5 --json "$out/qlora.json") | tee -a "$out/table.txt"
+echo "NF4 run in $((SECONDS - start)) s"
 exit "$tests_rc"

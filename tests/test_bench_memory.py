@@ -15,8 +15,8 @@ def test_memory_ladder_runs_and_writes_table_json_and_plot(tmp_path):
         [sys.executable, "-m", "roundpipe.bench", "memory", "--hidden", "64", "--elements",
          "40000", "--repeats", "5", "--conv-steps", "2", "--conv-hidden", "64", "--conv-layers",
          "1", "--conv-chars", "200000", "--configs", "fp32 AdamW", "int8 state",
-         "bf16 master + int8 state", "--skip-loading", "--out", str(tmp_path / "runs"), "--json",
-         str(out)],
+         "bf16 master + int8 state", "--skip-loading", "--skip-lora", "--out",
+         str(tmp_path / "runs"), "--json", str(out)],
         capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| configuration | floor B/param | measured B/param |" in r.stdout
@@ -40,7 +40,7 @@ def test_loading_rows_run_and_write_json(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "roundpipe.bench", "memory", "--skip-memory", "--skip-speed",
          "--skip-convergence", "--load-layers", "2", "--load-hidden", "128", "--load-kinds",
-         "nf4", "bf16", "--json", str(out)],
+         "nf4", "bf16", "--skip-lora", "--json", str(out)],
         capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| base | peak RSS increase / bf16 size | after loading / bf16 size |" in r.stdout

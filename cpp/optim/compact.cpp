@@ -23,10 +23,6 @@ constexpr QuantMap make_map(bool is_signed) {
   for (int i = 0; i < 7; ++i) {
     const int bins = is_signed ? 1 << i : 2 << i;
     for (int j = 0; j < bins; ++j) mags[n++] = kDecadeTop[i] * (0.1 + 0.9 * (j + 0.5) / bins);
-    q.decade_low[i] = static_cast<float>(kDecadeTop[i] * 0.1);
-    q.bins_per_unit[i] = static_cast<float>(bins / (0.9 * kDecadeTop[i]));
-    q.first_code[i] = static_cast<float>(is_signed ? (1 << i) - 1 : (2 << i) - 2);
-    q.last_bin[i] = static_cast<float>(bins - 1);
   }
   if (is_signed) {  // 127 magnitudes: -mag[126] .. -mag[0], 0, mag[0] .. mag[126], 1
     for (int k = 0; k < 127; ++k) {
@@ -44,11 +40,31 @@ constexpr QuantMap make_map(bool is_signed) {
   for (int k = 1; k < 256; ++k)
     q.bound[k] = static_cast<float>((static_cast<double>(q.value[k - 1]) + q.value[k]) / 2);
   q.is_signed = is_signed;
+  // the cells (kernels/compact.hpp): per cell, the code of its lowest value (the number of
+  // midpoints below it) and the midpoint inside it
+  int below = 0;  // the midpoints bound[1 .. below] lie below the current cell
+  q.cells_ok = true;
+  for (std::size_t c = 0; c < QuantMap::kCells; ++c) {
+    const std::uint32_t lowest = QuantMap::kCellBase + (static_cast<std::uint32_t>(c) << 16);
+    while (below < 255 && q.bound[below + 1] < __builtin_bit_cast(float, lowest)) ++below;
+    std::uint32_t midpoint = 0x10000u;
+    int inside = 0;
+    for (int k = below + 1; k < 256; ++k) {
+      const std::uint32_t b = __builtin_bit_cast(std::uint32_t, q.bound[k]);
+      if (b - lowest > 0xffffu) break;
+      midpoint = b - lowest;
+      ++inside;
+    }
+    q.cells_ok = q.cells_ok && inside <= 1;
+    q.cells[c] = static_cast<std::uint32_t>(below) << 24 | midpoint;
+  }
   return q;
 }
 
 constexpr QuantMap kSignedMap = make_map(true);
 constexpr QuantMap kUnsignedMap = make_map(false);
+static_assert(kSignedMap.cells_ok && kUnsignedMap.cells_ok,
+              "a quantiser cell holds more than one midpoint");
 
 void check_pointers(const char* fn, std::size_t n,
                     std::initializer_list<std::pair<const char*, const void*>> pointers) {
@@ -72,7 +88,8 @@ const QuantMap& quant_map(bool is_signed) { return is_signed ? kSignedMap : kUns
 }  // namespace detail
 
 static_assert(detail::kChunkElements % kQuantBlock == 0 &&
-              detail::kStageElements % kQuantBlock == 0);
+              detail::kStageElements % kQuantBlock == 0 &&
+              detail::kCompactStageElements % kQuantBlock == 0);
 
 const float* dynamic_map(bool is_signed) { return detail::quant_map(is_signed).value; }
 

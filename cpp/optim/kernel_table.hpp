@@ -15,6 +15,7 @@
 #include "kernels/adamax.hpp"
 #include "kernels/asgd.hpp"
 #include "kernels/compact.hpp"
+#include "kernels/dequant.hpp"
 #include "kernels/mixed.hpp"
 #include "kernels/nadam.hpp"
 #include "kernels/radam.hpp"
@@ -57,6 +58,11 @@ struct KernelTable {
                             std::size_t n, float* out);
   void (*quantize_blocks)(const QuantMap&, const float* x, std::size_t n, std::uint8_t* codes,
                           float* absmax);
+  // quantized weights (kernels/dequant.hpp): values [0, n) of a run of whole blocks
+  void (*dequantize_nf4_blocks)(const std::uint8_t* codes, const float* absmax, std::size_t n,
+                                Dtype dtype, void* out);
+  void (*dequantize_int8_blocks)(const std::int8_t* codes, const float* scale, std::size_t n,
+                                 Dtype dtype, void* out);
 };
 
 // The table of the active ISA (roundpipe::active_isa()); throws roundpipe::Error as that does.

@@ -195,8 +195,10 @@ ThreadCountScope::~ThreadCountScope() { t_threads = previous_; }
 
 namespace detail {
 
-void run_tasks(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) {
-  std::lock_guard<std::mutex> lock(g_call_mutex);
+namespace {
+
+// run_tasks' body; the caller holds g_call_mutex.
+void run_tasks_locked(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) {
   const int threads = t_threads > 0 ? t_threads : threads_locked();
   if (ntasks <= 1 || threads == 1) {
     for (std::size_t k = 0; k < ntasks; ++k) task(ctx, k);
@@ -207,6 +209,20 @@ void run_tasks(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) 
     g_pool->set_keep(static_cast<std::size_t>(threads_locked() - 1));
   }
   g_pool->run(ntasks, task, ctx, std::min(static_cast<std::size_t>(threads), ntasks) - 1);
+}
+
+}  // namespace
+
+void run_tasks(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) {
+  std::lock_guard<std::mutex> lock(g_call_mutex);
+  run_tasks_locked(ntasks, task, ctx);
+}
+
+bool try_run_tasks(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) {
+  std::unique_lock<std::mutex> lock(g_call_mutex, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  run_tasks_locked(ntasks, task, ctx);
+  return true;
 }
 
 }  // namespace detail

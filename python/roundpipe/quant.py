@@ -10,7 +10,18 @@ row-major flattened weight (the last block zero-padded):
   of the code-book entry nearest to ``x / absmax`` (ties to the lower index, decided in
   float64), two indices per byte, the first value of a pair in the high nibble (bitsandbytes'
   packing). Dequantized: ``NF4_CODE[i] * absmax`` in float32 (exact product, one rounding).
-  No double quantization of the absmax: host bytes per value 0.5 + 4/64 = 0.5625.
+  Host bytes per value 0.5 + 4/64 = 0.5625.
+- ``"nf4-dq"``: ``"nf4"`` with QLoRA's double quantization of the absmax (§3, "Double
+  Quantization"; bitsandbytes' ``quantize_4bit(..., compress_statistics=True)``): the float32
+  block absmax values, less their float32 mean (the ``offset``), are quantized blockwise
+  again, :data:`DQ_BLOCK` = 256 at a time, to the 8-bit signed dynamic map
+  (:func:`dynamic_code`, bitsandbytes' ``create_dynamic_map(signed=True)``) with one float32
+  scale (their absmax) per block of 256: the code of the map value nearest to
+  ``(absmax - offset) / scale`` (decided in float64, ties to the lower code; bitsandbytes' CPU
+  quantizer rounds values below about 2e-5 of the scale differently, so its codes can differ
+  there while ours are never farther). Read back as ``code[q] * scale + offset`` in float32
+  (bitsandbytes' ``dequantize_4bit`` of a nested state, bit for bit), then as ``"nf4"``. Host
+  bytes per value 0.5 + (1 + 4/256)/64 ~= 0.516.
 - ``"int8"``: symmetric linear codes ``q = round_half_even(127 * x / absmax)`` in [-127, 127]
   (int8), per block the float32 scale ``absmax / 127``. Dequantized: ``q * scale`` in
   float32 (exact product, one rounding). Linear rather than bitsandbytes' dynamic (tree)
@@ -23,7 +34,9 @@ grad (and is not tied to another module: an output embedding tied to the input e
 stays in the model dtype, as do biases, norms and embeddings) by a :class:`QuantizedLinear`
 whose packed codes and block scales are frozen parameters: RoundPipe uploads them as they
 are (``pipeline_stats()`` counts the packed bytes, and the weight floor is the packed size),
-and the module dequantizes them on the device inside its forward (also in the recomputation),
+and the module dequantizes them on the device inside its forward (also in the recomputation:
+on the CPU with the SIMD kernels of ``roundpipe._C``, ``roundpipe/dequant.hpp``, elsewhere with
+torch ops on the device; the same bits either way),
 so gradients reach the input (and PEFT's LoRA adapters around it) through the dequantized
 weight, as in QLoRA; the dequantized weight lives only while the layer's autograd graph does.
 
@@ -42,8 +55,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _C
+
 BLOCK = 64
-FROZEN_DTYPES = ("nf4", "int8")
+DQ_BLOCK = 256
+FROZEN_DTYPES = ("nf4", "nf4-dq", "int8")
 
 #: The NF4 code book (QLoRA, Dettmers et al. 2023; bitsandbytes ``get_4bit_type("nf4")``),
 #: float32 values, index 7 is zero.
@@ -54,24 +70,75 @@ NF4_CODE = (
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )
 
+_C_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the SIMD kernels write
 _CHUNK_BLOCKS = 1 << 14  # blocks quantized at once (float64 temporaries: 8 MiB)
 _tables: dict[tuple[str, str], torch.Tensor] = {}
 _tables_lock = threading.Lock()
 
 
-def _nf4_table(device: torch.device) -> torch.Tensor:
-    key = ("nf4", str(device))
+def dynamic_code() -> torch.Tensor:
+    """The signed 8-bit dynamic map (Dettmers, "8-Bit Approximations for Parallelism in Deep
+    Learning", 2016) as bitsandbytes' ``create_dynamic_map(signed=True)`` builds it, the code
+    book of ``"nf4-dq"``'s second level: 0, 1 and, for decades i = 0..6, the 2^i midpoints of
+    ``torch.linspace(0.1, 1, 2^i + 1)`` (float32) times ``10^(i-6)`` and their negatives, all
+    float32 products; float32 ``(256,)`` ascending, on the CPU."""
+    parts = [torch.tensor([0.0, 1.0])]
+    for i in range(7):
+        edges = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        mids = (edges[:-1] + edges[1:]) / 2.0
+        parts += [10.0 ** (i - 6) * mids, -(10.0 ** (i - 6)) * mids]
+    return torch.cat(parts).sort().values
+
+
+def _table(name: str, device: torch.device) -> torch.Tensor:
+    key = (name, str(device))
     t = _tables.get(key)
     if t is None:
+        values = torch.tensor(NF4_CODE, dtype=torch.float32) if name == "nf4" else dynamic_code()
         with _tables_lock:
-            t = _tables.setdefault(key, torch.tensor(NF4_CODE, dtype=torch.float32, device=device))
+            t = _tables.setdefault(key, values.to(device))
     return t
 
 
 def check_frozen_dtype(frozen_dtype, who: str) -> None:
-    """Raises ValueError unless ``frozen_dtype`` is None, ``"nf4"`` or ``"int8"``."""
+    """Raises ValueError unless ``frozen_dtype`` is None, ``"nf4"``, ``"nf4-dq"`` or ``"int8"``."""
     if frozen_dtype is not None and frozen_dtype not in FROZEN_DTYPES:
-        raise ValueError(f"{who}: frozen_dtype must be None, 'nf4' or 'int8', got {frozen_dtype!r}")
+        raise ValueError(f"{who}: frozen_dtype must be None, 'nf4', 'nf4-dq' or 'int8', got "
+                         f"{frozen_dtype!r}")
+
+
+def _pad4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def compress_absmax(absmax: torch.Tensor) -> torch.Tensor:
+    """``"nf4-dq"``'s second level (module docstring) of float32 ``absmax`` ``(nb,)`` (CPU):
+    a uint8 ``(pad4(nb) + 4 * (ceil(nb / 256) + 1),)`` byte string: the nb 8-bit codes (zero
+    padded to a multiple of 4), then float32 bytes of the ceil(nb / 256) block scales and the
+    offset."""
+    nb = absmax.numel()
+    offset = absmax.mean()
+    centred = absmax - offset  # float32, as bitsandbytes
+    nb2 = -(-nb // DQ_BLOCK)
+    padded = torch.zeros(nb2 * DQ_BLOCK, dtype=torch.float32)
+    padded[:nb] = centred
+    scale = padded.view(nb2, DQ_BLOCK).abs().amax(dim=1)
+    code = dynamic_code().double()
+    mids = (code[1:] + code[:-1]) / 2  # exact in float64
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
+    y = (padded.double().view(nb2, DQ_BLOCK) / safe[:, None]).reshape(-1)[:nb]
+    out = torch.zeros(_pad4(nb) + 4 * (nb2 + 1), dtype=torch.uint8)
+    out[:nb] = torch.searchsorted(mids, y, side="left").to(torch.uint8)
+    out[_pad4(nb):].view(torch.float32).copy_(torch.cat((scale, offset.view(1))))
+    return out
+
+
+def expand_absmax(packed: torch.Tensor, nb: int) -> torch.Tensor:
+    """The float32 ``(nb,)`` absmax that :func:`compress_absmax`'s bytes stand for, computed on
+    their device: ``code[q] * scale + offset`` in float32 (two roundings, as bitsandbytes)."""
+    floats = packed[_pad4(nb):].view(torch.float32)
+    scale = floats[:-1].repeat_interleave(DQ_BLOCK)[:nb]
+    return _table("dynamic", packed.device)[packed[:nb].long()] * scale + floats[-1]
 
 
 def quantize(weight: torch.Tensor, frozen_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +146,9 @@ def quantize(weight: torch.Tensor, frozen_dtype: str) -> tuple[torch.Tensor, tor
 
     Returns:
         ``(codes, scales)``: ``nf4``: uint8 ``(ceil(n / 64) * 32,)`` packed indices and float32
-        ``(ceil(n / 64),)`` absmax per block; ``int8``: int8 ``(ceil(n / 64) * 64,)`` codes and
-        float32 ``(ceil(n / 64),)`` scale (absmax / 127) per block. ``n = weight.numel()``.
+        ``(ceil(n / 64),)`` absmax per block; ``nf4-dq``: the same codes and the uint8 bytes of
+        :func:`compress_absmax`; ``int8``: int8 ``(ceil(n / 64) * 64,)`` codes and float32
+        ``(ceil(n / 64),)`` scale (absmax / 127) per block. ``n = weight.numel()``.
 
     Raises:
         ValueError: ``frozen_dtype`` unknown, or ``weight`` not floating point.
@@ -93,7 +161,8 @@ def quantize(weight: torch.Tensor, frozen_dtype: str) -> tuple[torch.Tensor, tor
     n = flat.numel()
     nb = -(-n // BLOCK)
     scales = torch.empty(nb, dtype=torch.float32)
-    if frozen_dtype == "nf4":
+    nf4 = frozen_dtype.startswith("nf4")
+    if nf4:
         codes = torch.empty(nb * BLOCK // 2, dtype=torch.uint8)
         table = torch.tensor(NF4_CODE, dtype=torch.float64)
         mids = (table[1:] + table[:-1]) / 2  # exact in float64
@@ -106,7 +175,7 @@ def quantize(weight: torch.Tensor, frozen_dtype: str) -> tuple[torch.Tensor, tor
         x[:part.numel()] = part
         x = x.view(-1, BLOCK)
         absmax = x.abs().amax(dim=1)
-        if frozen_dtype == "nf4":
+        if nf4:
             scales[b0:b1] = absmax  # the largest magnitude: exact in float32 for <= fp32 input
             absmax32 = scales[b0:b1].double()
             safe = torch.where(absmax32 > 0, absmax32, torch.ones_like(absmax32))
@@ -119,24 +188,60 @@ def quantize(weight: torch.Tensor, frozen_dtype: str) -> tuple[torch.Tensor, tor
             q = torch.round(x * 127 / safe[:, None]).clamp_(-127, 127)
             codes[b0 * BLOCK:b1 * BLOCK] = q.reshape(-1).to(torch.int8)
             scales[b0:b1] = absmax / 127
+    if frozen_dtype == "nf4-dq":
+        scales = compress_absmax(scales)
     return codes, scales
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, frozen_dtype: str,
                shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """The tensor of ``shape`` and ``dtype`` that ``(codes, scales)`` (from :func:`quantize`)
-    stand for, computed on their device (a table lookup or an int8 -> float32 conversion,
-    times the block's scale, in float32, then rounded to ``dtype``)."""
+    stand for, computed on their device: each value the float32 product of its code-book
+    value (or int8 code) and its block's scale, rounded to ``dtype`` to nearest even.
+
+    On the CPU, with ``dtype`` float32, bfloat16 or float16, the SIMD kernels of
+    ``roundpipe._C`` (``dequantize_nf4`` / ``dequantize_int8``, ``cpp/include/roundpipe/
+    dequant.hpp``: runtime-dispatched AVX-512 / AVX2 / NEON / scalar, on the worker pool for
+    big tensors when it is idle); elsewhere (CUDA) torch ops on the device. Both give the same
+    bits (tests/test_dequant.py). ``"nf4-dq"`` first expands the absmax
+    (:func:`expand_absmax`, torch ops: 1/64 of the values)."""
     n = 1
     for s in shape:
         n *= s
-    if frozen_dtype == "nf4":
+    if frozen_dtype == "nf4-dq":
+        scales = expand_absmax(scales, -(-n // BLOCK))
+    if codes.device.type == "cpu" and dtype in _C_DTYPES:
+        out = torch.empty(tuple(shape), dtype=dtype)
+        fn = _C.dequantize_int8 if frozen_dtype == "int8" else _C.dequantize_nf4
+        fn(codes.detach().contiguous(), scales.detach().contiguous(), out)
+        return out
+    return dequantize_torch(codes, scales, frozen_dtype, shape, dtype)
+
+
+def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, frozen_dtype: str,
+                     shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantize` with torch ops on the codes' device (the CUDA path; on the CPU, the
+    reference the SIMD kernels are held to and the speed they are measured against), ``scales``
+    already float32 per block (``"nf4-dq"`` expanded)."""
+    n = 1
+    for s in shape:
+        n *= s
+    if frozen_dtype.startswith("nf4"):
         idx = torch.stack((codes >> 4, codes & 15), dim=-1).view(-1).int()
-        vals = _nf4_table(codes.device)[idx].view(-1, BLOCK)
+        vals = _table("nf4", codes.device)[idx].view(-1, BLOCK)
     else:
         vals = codes.view(-1, BLOCK).float()
     vals = vals * scales[:, None]
     return vals.view(-1)[:n].view(tuple(shape)).to(dtype)
+
+
+def _stored(scales: torch.Tensor) -> torch.Tensor:
+    # float32 scales as their int32 bits (no cast of the model rounds them); nf4-dq's bytes as is
+    return scales.view(torch.int32) if scales.dtype == torch.float32 else scales
+
+
+def _loaded(stored: torch.Tensor) -> torch.Tensor:
+    return stored.view(torch.float32) if stored.dtype == torch.int32 else stored
 
 
 class QuantizedLinear(nn.Module):
@@ -147,14 +252,15 @@ class QuantizedLinear(nn.Module):
     Args:
         linear: the module replaced (its weight is quantized; its bias, trainable or not,
             is kept as the same parameter object).
-        frozen_dtype: ``"nf4"`` or ``"int8"``.
+        frozen_dtype: ``"nf4"``, ``"nf4-dq"`` or ``"int8"``.
 
     Attributes:
         weight_codes: frozen parameter, uint8 (nf4, packed) or int8 codes.
         weight_scales: frozen parameter, one float32 per block of 64 values, kept as its
             int32 bit pattern, so that ``model.to(dtype)`` / ``.half()`` cannot round the
             scales and the module's first floating parameter is the bias, not a scale (what
-            RoundPipe casts floating inputs to).
+            RoundPipe casts floating inputs to); ``nf4-dq``: the uint8 bytes of
+            :func:`compress_absmax`.
         compute_dtype: the original weight's dtype (what ``W`` is dequantized into); a cast
             of the module (``.to(torch.bfloat16)``) changes it as it would the weight's.
 
@@ -174,7 +280,7 @@ class QuantizedLinear(nn.Module):
         self.weight_shape = tuple(linear.weight.shape)
         codes, scales = quantize(linear.weight, frozen_dtype)
         self.weight_codes = nn.Parameter(codes, requires_grad=False)
-        self.weight_scales = nn.Parameter(scales.view(torch.int32), requires_grad=False)
+        self.weight_scales = nn.Parameter(_stored(scales), requires_grad=False)
         self.bias = linear.bias
         self._register_state_dict_hook(QuantizedLinear._dequantized_state)
         self._register_load_state_dict_pre_hook(QuantizedLinear._quantize_loaded, with_module=True)
@@ -183,7 +289,7 @@ class QuantizedLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantized weight ``(out_features, in_features)`` in :attr:`compute_dtype`,
         on the codes' device (a new tensor: writing to it changes nothing)."""
-        return dequantize(self.weight_codes, self.weight_scales.view(torch.float32),
+        return dequantize(self.weight_codes, _loaded(self.weight_scales),
                           self.frozen_dtype, self.weight_shape, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +313,7 @@ class QuantizedLinear(nn.Module):
         scales = state_dict.pop(prefix + "weight_scales", None)
         if codes is not None and scales is not None:
             state_dict[prefix + "weight"] = dequantize(
-                codes.detach(), scales.detach().view(torch.float32), module.frozen_dtype,
+                codes.detach(), _loaded(scales.detach()), module.frozen_dtype,
                 module.weight_shape,
                 module.compute_dtype)
         return state_dict
@@ -224,7 +330,7 @@ class QuantizedLinear(nn.Module):
             return
         codes, scales = quantize(w.to("cpu"), self.frozen_dtype)
         state_dict[prefix + "weight_codes"] = codes
-        state_dict[prefix + "weight_scales"] = scales.view(torch.int32)
+        state_dict[prefix + "weight_scales"] = _stored(scales)
 
 
 def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:
@@ -244,7 +350,7 @@ def quantize_frozen_linears(model: nn.Module, frozen_dtype: str,
 
     Args:
         model: the model (its weights on the CPU).
-        frozen_dtype: ``"nf4"`` or ``"int8"``.
+        frozen_dtype: ``"nf4"``, ``"nf4-dq"`` or ``"int8"``.
         modules: names (as ``named_modules`` gives them) of the linears to quantize; None:
             every ``nn.Linear`` whose weight does not require grad, except weights shared
             with another module (tied embeddings) and the model's output embeddings
@@ -283,7 +389,8 @@ def frozen_linears(model: nn.Module, frozen_dtype: str,
     arguments and errors; nothing is modified)."""
     check_frozen_dtype(frozen_dtype, "quantize_frozen_linears")
     if frozen_dtype is None:
-        raise ValueError("quantize_frozen_linears: frozen_dtype must be 'nf4' or 'int8', got None")
+        raise ValueError("quantize_frozen_linears: frozen_dtype must be 'nf4', 'nf4-dq' or "
+                         "'int8', got None")
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1

@@ -6,6 +6,7 @@
 //   roundpipe/optimizer_classes.hpp the optimizer classes roundpipe::Adam, ..., roundpipe::SGD
 //   roundpipe/state_traits.hpp      what generic code reads of a <Name>State
 //   roundpipe/buffers.hpp, step_io.hpp, compact.hpp, isa.hpp, threads.hpp, stream.hpp, error.hpp
+//   roundpipe/dequant.hpp           dequantization of NF4 / int8 weight blocks (quantized bases)
 #pragma once
 #include "roundpipe/adadelta.hpp"
 #include "roundpipe/adafactor.hpp"
@@ -16,6 +17,7 @@
 #include "roundpipe/asgd.hpp"
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/compact.hpp"
+#include "roundpipe/dequant.hpp"
 #include "roundpipe/error.hpp"
 #include "roundpipe/isa.hpp"
 #include "roundpipe/nadam.hpp"

@@ -107,7 +107,55 @@ struct Vec {
   static Vec lookup8(const float* table, Vec index) {
     return {_mm256_permutevar8x32_ps(_mm256_loadu_ps(table), _mm256_cvttps_epi32(index.v))};
   }
+  // Quantized weights (kernels/dequant.hpp): table[index] for the 8 4-bit indices packed in
+  // p[0, 4) (high nibble first): two permutes of the table's halves, bit 3 picks one; 8 int8
+  // values widened.
+  static Vec lookup_nf4(const float* table, const std::uint8_t* p) {
+    std::int32_t four;
+    std::memcpy(&four, p, sizeof four);
+    const __m128i b = _mm_cvtsi32_si128(four);
+    const __m128i nib = _mm_set1_epi8(15);
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(
+        _mm_and_si128(_mm_srli_epi16(b, 4), nib), _mm_and_si128(b, nib)));
+    const __m256 low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), idx);
+    const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), idx);
+    return {_mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)))};
+  }
+  static Vec load_i8(const std::int8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))};
+  }
   static bool any(Mask m) { return _mm256_movemask_ps(m.m) != 0; }
+  // Integer lanes: as Scalar's (scalar.hpp), 8 lanes.
+  static Bits bits(Vec x) { return {_mm256_castps_si256(x.v)}; }
+  static Vec from_bits(Bits b) { return {_mm256_castsi256_ps(b.v)}; }
+  static Bits load_u8_bits(const std::uint8_t* p) {
+    return {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))};
+  }
+  static Vec lookup(const float* table, Bits index) {
+    return {_mm256_i32gather_ps(table, index.v, 4)};
+  }
+  static Bits bits_set1(std::uint32_t x) { return {_mm256_set1_epi32(static_cast<int>(x))}; }
+  static Bits add(Bits a, Bits b) { return {_mm256_add_epi32(a.v, b.v)}; }
+  static Bits sub(Bits a, Bits b) { return {_mm256_sub_epi32(a.v, b.v)}; }
+  static Bits bit_and(Bits a, Bits b) { return {_mm256_and_si256(a.v, b.v)}; }
+  static Bits bit_xor(Bits a, Bits b) { return {_mm256_xor_si256(a.v, b.v)}; }
+  static Bits srl(Bits a, int n) { return {_mm256_srl_epi32(a.v, _mm_cvtsi32_si128(n))}; }
+  static Bits max_i32(Bits a, Bits b) { return {_mm256_max_epi32(a.v, b.v)}; }
+  static Bits min_i32(Bits a, Bits b) { return {_mm256_min_epi32(a.v, b.v)}; }
+  static Bits gt_i32(Bits a, Bits b) { return {_mm256_cmpgt_epi32(a.v, b.v)}; }
+  static Bits lookup_bits(const std::uint32_t* table, Bits index) {
+    return {_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index.v, 4)};
+  }
+  static void store_u8_bits(std::uint8_t* p, Bits b) {
+    // byte 0 of every 32-bit lane, as store_u8
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, -1, -1);
+    const __m256i s = _mm256_shuffle_epi8(b.v, pick);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p),
+                     _mm_unpacklo_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+  }
 
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }

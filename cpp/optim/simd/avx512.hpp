@@ -102,8 +102,47 @@ struct Vec {
     const __m512 t = _mm512_castps256_ps512(_mm256_loadu_ps(table));
     return {_mm512_permutexvar_ps(_mm512_cvttps_epi32(index.v), t)};
   }
+  // Quantized weights (kernels/dequant.hpp): table[index] for the 16 4-bit indices packed in
+  // p[0, 8) (high nibble first), one permute; 16 int8 values widened.
+  static Vec lookup_nf4(const float* table, const std::uint8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i nib = _mm_set1_epi8(15);
+    const __m128i idx = _mm_unpacklo_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nib),
+                                          _mm_and_si128(b, nib));
+    return {_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(idx), _mm512_loadu_ps(table))};
+  }
+  static Vec load_i8(const std::int8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
+  }
   // Whether any lane of a mask is set.
   static bool any(Mask m) { return m.m != 0; }
+  // Integer lanes: as Scalar's (scalar.hpp), 16 lanes.
+  static Bits bits(Vec x) { return {_mm512_castps_si512(x.v)}; }
+  static Vec from_bits(Bits b) { return {_mm512_castsi512_ps(b.v)}; }
+  static Bits load_u8_bits(const std::uint8_t* p) {
+    return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  static Vec lookup(const float* table, Bits index) {
+    return {_mm512_i32gather_ps(index.v, table, 4)};
+  }
+  static Bits bits_set1(std::uint32_t x) { return {_mm512_set1_epi32(static_cast<int>(x))}; }
+  static Bits add(Bits a, Bits b) { return {_mm512_add_epi32(a.v, b.v)}; }
+  static Bits sub(Bits a, Bits b) { return {_mm512_sub_epi32(a.v, b.v)}; }
+  static Bits bit_and(Bits a, Bits b) { return {_mm512_and_si512(a.v, b.v)}; }
+  static Bits bit_xor(Bits a, Bits b) { return {_mm512_xor_si512(a.v, b.v)}; }
+  static Bits srl(Bits a, int n) { return {_mm512_srl_epi32(a.v, _mm_cvtsi32_si128(n))}; }
+  static Bits max_i32(Bits a, Bits b) { return {_mm512_max_epi32(a.v, b.v)}; }
+  static Bits min_i32(Bits a, Bits b) { return {_mm512_min_epi32(a.v, b.v)}; }
+  static Bits gt_i32(Bits a, Bits b) {
+    return {_mm512_maskz_mov_epi32(_mm512_cmpgt_epi32_mask(a.v, b.v), _mm512_set1_epi32(-1))};
+  }
+  static Bits lookup_bits(const std::uint32_t* table, Bits index) {
+    return {_mm512_i32gather_epi32(index.v, table, 4)};
+  }
+  static void store_u8_bits(std::uint8_t* p, Bits b) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(b.v));
+  }
 
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }

@@ -91,7 +91,73 @@ struct Vec {
     return {r};
   }
   static Vec lookup8(const float* table, Vec index) { return lookup(table, index); }
+  // Quantized weights (kernels/dequant.hpp): table[index] for the 4 4-bit indices packed in
+  // p[0, 2) (high nibble first): one tbl over the table's 64 bytes (byte 4k + j of lane k is
+  // byte j of table[index_k]); 4 int8 values widened.
+  static Vec lookup_nf4(const float* table, const std::uint8_t* p) {
+    const uint8x8_t b = vcreate_u8(static_cast<std::uint64_t>(p[0]) |
+                                   static_cast<std::uint64_t>(p[1]) << 8);
+    const uint8x8_t nib = vzip1_u8(vshr_n_u8(b, 4), vand_u8(b, vdup_n_u8(15)));
+    static const std::uint8_t spread[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+    static const std::uint8_t byte[16] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+    const uint8x16_t lane = vqtbl1q_u8(vcombine_u8(nib, nib), vld1q_u8(spread));
+    const uint8x16_t idx = vaddq_u8(vshlq_n_u8(lane, 2), vld1q_u8(byte));
+    const std::uint8_t* bytes = reinterpret_cast<const std::uint8_t*>(table);
+    const uint8x16x4_t t = {{vld1q_u8(bytes), vld1q_u8(bytes + 16), vld1q_u8(bytes + 32),
+                             vld1q_u8(bytes + 48)}};
+    return {vreinterpretq_f32_u8(vqtbl4q_u8(t, idx))};
+  }
+  static Vec load_i8(const std::int8_t* p) {
+    std::int32_t four;
+    std::memcpy(&four, p, sizeof four);
+    const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)));
+    return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)))};
+  }
   static bool any(Mask m) { return vmaxvq_u32(m.m) != 0; }
+  // Integer lanes: as Scalar's (scalar.hpp), 4 lanes.
+  static Bits bits(Vec x) { return {vreinterpretq_u32_f32(x.v)}; }
+  static Vec from_bits(Bits b) { return {vreinterpretq_f32_u32(b.v)}; }
+  static Bits load_u8_bits(const std::uint8_t* p) {
+    std::uint32_t four;
+    std::memcpy(&four, p, 4);
+    const uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(four));
+    return {vmovl_u16(vget_low_u16(vmovl_u8(b)))};
+  }
+  static Vec lookup(const float* table, Bits index) {
+    float32x4_t r = vdupq_n_f32(table[vgetq_lane_u32(index.v, 0)]);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(index.v, 1)], r, 1);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(index.v, 2)], r, 2);
+    r = vsetq_lane_f32(table[vgetq_lane_u32(index.v, 3)], r, 3);
+    return {r};
+  }
+  static Bits bits_set1(std::uint32_t x) { return {vdupq_n_u32(x)}; }
+  static Bits add(Bits a, Bits b) { return {vaddq_u32(a.v, b.v)}; }
+  static Bits sub(Bits a, Bits b) { return {vsubq_u32(a.v, b.v)}; }
+  static Bits bit_and(Bits a, Bits b) { return {vandq_u32(a.v, b.v)}; }
+  static Bits bit_xor(Bits a, Bits b) { return {veorq_u32(a.v, b.v)}; }
+  static Bits srl(Bits a, int n) { return {vshlq_u32(a.v, vdupq_n_s32(-n))}; }
+  static Bits max_i32(Bits a, Bits b) {
+    return {vreinterpretq_u32_s32(vmaxq_s32(vreinterpretq_s32_u32(a.v), vreinterpretq_s32_u32(b.v)))};
+  }
+  static Bits min_i32(Bits a, Bits b) {
+    return {vreinterpretq_u32_s32(vminq_s32(vreinterpretq_s32_u32(a.v), vreinterpretq_s32_u32(b.v)))};
+  }
+  static Bits gt_i32(Bits a, Bits b) {
+    return {vcgtq_s32(vreinterpretq_s32_u32(a.v), vreinterpretq_s32_u32(b.v))};
+  }
+  static Bits lookup_bits(const std::uint32_t* table, Bits index) {
+    uint32x4_t r = vdupq_n_u32(table[vgetq_lane_u32(index.v, 0)]);
+    r = vsetq_lane_u32(table[vgetq_lane_u32(index.v, 1)], r, 1);
+    r = vsetq_lane_u32(table[vgetq_lane_u32(index.v, 2)], r, 2);
+    r = vsetq_lane_u32(table[vgetq_lane_u32(index.v, 3)], r, 3);
+    return {r};
+  }
+  static void store_u8_bits(std::uint8_t* p, Bits b) {
+    const uint16x4_t h = vmovn_u32(b.v);
+    const uint8x8_t c = vmovn_u16(vcombine_u16(h, h));
+    const std::uint32_t four = vget_lane_u32(vreinterpret_u32_u8(c), 0);
+    std::memcpy(p, &four, 4);
+  }
 
   friend Vec operator+(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {vsubq_f32(a.v, b.v)}; }

@@ -63,6 +63,28 @@ struct Scalar {
   // Whether any lane of a mask is set.
   static bool any(Mask m) { return m; }
 
+  // Integer lanes, for the int8 blocks (kernels/compact.hpp): the float's bit pattern and
+  // back, a byte widened, lane-wise integer arithmetic (wrapping; shifts logical), signed
+  // 32-bit max / min / greater (all ones where a > b, else 0), table[index] of a 32-bit or a
+  // float table, and the low byte of each lane stored.
+  static Bits bits(Scalar x);
+  static Scalar from_bits(Bits b);
+  static Bits load_u8_bits(const std::uint8_t* p) { return *p; }
+  static Scalar lookup(const float* table, Bits index) { return {table[index]}; }
+  static Bits bits_set1(std::uint32_t x) { return x; }
+  static Bits add(Bits a, Bits b) { return a + b; }
+  static Bits sub(Bits a, Bits b) { return a - b; }
+  static Bits bit_and(Bits a, Bits b) { return a & b; }
+  static Bits bit_xor(Bits a, Bits b) { return a ^ b; }
+  static Bits srl(Bits a, int n) { return a >> n; }
+  static Bits max_i32(Bits a, Bits b) { return gt_i32(a, b) ? a : b; }
+  static Bits min_i32(Bits a, Bits b) { return gt_i32(a, b) ? b : a; }
+  static Bits gt_i32(Bits a, Bits b) {
+    return static_cast<std::int32_t>(a) > static_cast<std::int32_t>(b) ? ~0u : 0u;
+  }
+  static Bits lookup_bits(const std::uint32_t* table, Bits index) { return table[index]; }
+  static void store_u8_bits(std::uint8_t* p, Bits b) { *p = static_cast<std::uint8_t>(b); }
+
   friend Scalar operator+(Scalar a, Scalar b) { return {a.v + b.v}; }
   friend Scalar operator-(Scalar a, Scalar b) { return {a.v - b.v}; }
   friend Scalar operator*(Scalar a, Scalar b) { return {a.v * b.v}; }
@@ -159,6 +181,8 @@ inline void Scalar::store_f16(std::uint16_t* p) const {
   *p = static_cast<std::uint16_t>(sign | h);
 }
 
+inline Scalar::Bits Scalar::bits(Scalar x) { return float_bits(x.v); }
+inline Scalar Scalar::from_bits(Bits b) { return {bits_float(b)}; }
 inline Scalar::Bits Scalar::random_bits(std::uint32_t key, std::uint32_t first) {
   return hash32(first ^ key);
 }

@@ -15,6 +15,9 @@ one run. For each configuration (``CONFIGS``):
 - **loading** (:mod:`roundpipe.bench.loading`): peak RSS while loading a bf16 checkpoint
   through ``roundpipe.hf.from_pretrained`` with LoRA on an NF4, int8 and bf16 base, over the
   checkpoint's bf16 size;
+- **LoRA on a quantized base** (:mod:`.qlora`): host bytes per frozen parameter, upload bytes
+  and tokens/s of LoRA training on a bf16, int8 and NF4 frozen base, and the dequantization
+  kernel's speed against torch ops;
 - **convergence**: the demo's model (``examples/train_qwen3.py``, a small Qwen3 configuration)
   trained for the same steps with each configuration: final training loss (mean of the last 10%
   of steps) and validation loss, their difference from float32 AdamW; all loss curves in one
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import qlora
 from . import write_json, Figure, MIN_REPEATS, interleave, positive_int, repeats_arg, timed, writable_path
 
 
@@ -268,6 +272,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/memory_ladder"),
                     help="folder for the convergence runs and the plot")
     ap.add_argument("--json", type=writable_path, help="also write the results as JSON")
+    qlora.add_arguments(ap)
     args = ap.parse_args(argv)
 
     import roundpipe.optim as rpo
@@ -290,11 +295,16 @@ def main(argv=None) -> None:
             print(f"training the demo's model with {c.name}...", flush=True)
             result["convergence"][c.name] = run_convergence(c, args, args.out)
         plot(result["convergence"], args.out / "memory_ladder.png")
+    if not args.skip_lora:
+        print("training LoRA on a bf16, int8 and NF4 frozen base...", flush=True)
+        result["lora"] = qlora.measure(args)
     print(format_table(result, configs))
     if not args.skip_loading:
         print("measuring peak RSS while loading through roundpipe.hf.from_pretrained...",
               flush=True)
         result["loading"] = loading_rows(args)
+    if "lora" in result:
+        print(qlora.format_table(result["lora"]))
     if not args.skip_convergence:
         print(f"loss curves: {args.out / 'memory_ladder.png'}")
     if args.json:
