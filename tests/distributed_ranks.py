@@ -161,7 +161,7 @@ def main() -> None:
             model.forward_backward(input_args=(x,), loss_fn=lambda o: o.square().mean())
             model.step(opt)
         roundpipe.save_checkpoint(f"{out}/ckpt", model, opt)
-        torch.save({"rows": model._copies.rows,
+        torch.save({"rows": list(model.optim_shard_rows().values()),
                     "state": opt.state_dict(state_dtype=torch.float32)["state"]},
                    f"{out}/rows-{rank}.pt")
     elif case == "adafactor_sharded":  # refused before anything changes, both classes

@@ -71,17 +71,17 @@ def test_a_checkpoint_loads_into_another_state_dtype(tmp_path):
     model, opt = _wrapped("int8", False)
     _train(model, opt, range(2))
     roundpipe.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
-    st = opt.state[model._copies.optim[0]]
+    st = opt.state[next(model.optim_parameters())]
     codes, absmax = st["exp_avg"], st["exp_avg_absmax"]
     expected = (reference_map(True)[codes.long().flatten()].view(-1, 256)
                 * absmax[:, None]).view(codes.shape)
     fp32, fp32_opt = _wrapped(torch.float32, False)
     roundpipe.load_checkpoint(str(tmp_path / "ckpt"), fp32, fp32_opt)
-    torch.testing.assert_close(fp32_opt.state[fp32._copies.optim[0]]["exp_avg"], expected,
+    torch.testing.assert_close(fp32_opt.state[next(fp32.optim_parameters())]["exp_avg"], expected,
                                rtol=1e-6, atol=0)
     bf16, bf16_opt = _wrapped(torch.bfloat16, False)
     roundpipe.load_checkpoint(str(tmp_path / "ckpt"), bf16, bf16_opt)
-    got = bf16_opt.state[bf16._copies.optim[0]]["exp_avg"]
+    got = bf16_opt.state[next(bf16.optim_parameters())]["exp_avg"]
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=0)
 

@@ -130,8 +130,7 @@ def test_gradients_summed_on_the_device_equal_plain_host_summation():
                           device=["cpu"] * devices, num_microbatch=3)
         torch.manual_seed(7)
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, loss_reduction="sum")
-        model._steps.wait()
-        for k, (g, r) in enumerate(zip(model._copies.grads, sums)):
+        for k, (g, r) in enumerate(zip(model.accumulated_grads().values(), sums)):
             assert g.dtype == torch.float32 and torch.equal(g, r), k
 
 
@@ -226,7 +225,7 @@ def test_in_place_operations_on_stage_inputs_train_as_in_plain_pytorch():
     loss = model.forward_backward(input_args=(x,), label=y,
                                   loss_fn=lambda o, t: ((o - t) ** 2).sum(), loss_reduction="sum")
     assert torch.equal(x, x_before)                     # the caller's batch is untouched
-    model._steps.wait()
+    grads = model.accumulated_grads()
     ref_loss = 0
     for xm, ym in zip(torch.tensor_split(x.clone(), 2), torch.tensor_split(y, 2)):
         out = ref(xm)
@@ -234,7 +233,7 @@ def test_in_place_operations_on_stage_inputs_train_as_in_plain_pytorch():
         loss_m.backward()
         ref_loss += loss_m.item()
     assert loss.item() == pytest.approx(ref_loss, rel=1e-6)
-    for g, (name, p) in zip(model._copies.grads, ref.named_parameters()):
+    for g, (name, p) in zip(grads.values(), ref.named_parameters()):
         torch.testing.assert_close(g, p.grad, msg=name)
 
 

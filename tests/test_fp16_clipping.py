@@ -35,7 +35,7 @@ def test_default_scaler_follows_torchs_update_kernel():
     for inf in flags:
         used = ours.get_scale()
         assert used == scale.item()
-        skipped = ours._update(inf, used)
+        skipped = ours.apply_verdict(inf, used)
         torch._amp_update_scale_(scale, tracker, torch.full((), float(inf)), 2.0, 0.5, 4)
         assert skipped == inf
     assert ours.get_scale() == scale.item() and ours.state_dict()["_growth_tracker"] == tracker.item()
@@ -43,18 +43,18 @@ def test_default_scaler_follows_torchs_update_kernel():
 
 def test_scaler_hysteresis_floor_and_backoff_from_the_overflowed_scale():
     s = GradScaler(init_scale=64.0, hysteresis=2, min_scale=8.0, growth_interval=100)
-    assert s._update(True, 64.0) and s.get_scale() == 64.0   # first overflow: skipped only
-    assert not s._update(False, 64.0)                        # success resets the count
-    assert s._update(True, 64.0) and s.get_scale() == 64.0
-    assert s._update(True, 64.0) and s.get_scale() == 32.0   # second in a row: backs off
+    assert s.apply_verdict(True, 64.0) and s.get_scale() == 64.0   # first overflow: skipped only
+    assert not s.apply_verdict(False, 64.0)                        # success resets the count
+    assert s.apply_verdict(True, 64.0) and s.get_scale() == 64.0
+    assert s.apply_verdict(True, 64.0) and s.get_scale() == 32.0   # second in a row: backs off
     for _ in range(6):
-        s._update(True, s.get_scale())
-        s._update(True, s.get_scale())
+        s.apply_verdict(True, s.get_scale())
+        s.apply_verdict(True, s.get_scale())
     assert s.get_scale() == 8.0                              # the floor
     # two steps in flight that both saw an overflow at 1024 halve it once
     s = GradScaler(init_scale=1024.0)
-    s._update(True, 1024.0)
-    s._update(True, 1024.0)
+    s.apply_verdict(True, 1024.0)
+    s.apply_verdict(True, 1024.0)
     assert s.get_scale() == 512.0
 
 
@@ -67,7 +67,7 @@ def test_scaler_arguments_state_dict_and_disabled():
             GradScaler(**kwargs)
     a = GradScaler(init_scale=256.0, growth_interval=3, hysteresis=2)
     for inf in (False, True, False, False):
-        a._update(inf, a.get_scale())
+        a.apply_verdict(inf, a.get_scale())
     b = GradScaler()
     b.load_state_dict(a.state_dict())
     assert b.state_dict() == a.state_dict()
@@ -76,7 +76,7 @@ def test_scaler_arguments_state_dict_and_disabled():
     c.load_state_dict(torch_sd)                              # torch's checkpoints load too
     assert c.get_scale() == 128.0
     off = GradScaler(enabled=False)
-    assert off.get_scale() == 1.0 and off.state_dict() == {} and not off._update(True, 1.0)
+    assert off.get_scale() == 1.0 and off.state_dict() == {} and not off.apply_verdict(True, 1.0)
 
 
 # --- the training references --------------------------------------------------------------------

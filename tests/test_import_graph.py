@@ -23,7 +23,8 @@ LAYERS = [
     # leaves: the C++ extension and modules that import no other part of roundpipe
     ["roundpipe._C", "roundpipe.host_buffers", "roundpipe.stats", "roundpipe.threads",
      "roundpipe.plan", "roundpipe.context", "roundpipe.guards", "roundpipe.recompute",
-     "roundpipe.microbatch", "roundpipe.clipping", "roundpipe.grad_scaler", "roundpipe.quant"],
+     "roundpipe.microbatch", "roundpipe.clipping", "roundpipe.grad_scaler", "roundpipe.quant",
+     "roundpipe.torch_private"],
     ["roundpipe.optim"],                    # the optimizers: usable without the wrapper
     ["roundpipe.transfer"],                 # moving tensors to a device and back
     ["roundpipe.pipeline"],                 # the schedule, stages, passes
@@ -156,8 +157,9 @@ def test_the_cycle_finder_finds_cycles(graph, expected):
 
 
 def test_the_optimizers_import_only_the_extension_and_host_buffers():
-    """What ``import roundpipe.optim`` reaches, statically: the optimizers, the C++ extension
-    and the host buffers (test_packaging checks the modules a fresh interpreter loads)."""
+    """What ``import roundpipe.optim`` reaches, statically: the optimizers, the C++ extension,
+    the host buffers and torch_private (torch's private API, importing only torch; see
+    test_packaging for the modules a fresh interpreter loads)."""
     reached, todo = set(), ["roundpipe.optim"]
     while todo:
         m = todo.pop()
@@ -165,14 +167,15 @@ def test_the_optimizers_import_only_the_extension_and_host_buffers():
             reached.add(m)
             todo.extend(GRAPH.get(m, ()))
     outside = sorted(m for m in reached if not m.startswith("roundpipe.optim")
-                     and m not in ("roundpipe._C", "roundpipe.host_buffers"))
+                     and m not in ("roundpipe._C", "roundpipe.host_buffers",
+                                   "roundpipe.torch_private"))
     assert not outside, outside
 
 
 def test_import_roundpipe_optim_loads_only_the_optimizers():
     """What a fresh interpreter loads for ``import roundpipe.optim``: the package face, the C++
-    extension, the host buffers and the optimizers, nothing else of roundpipe (no wrapper,
-    pipeline, Hugging Face or checkpoint module)."""
+    extension, the host buffers, torch_private and the optimizers, nothing else of roundpipe
+    (no wrapper, pipeline, Hugging Face or checkpoint module)."""
     import subprocess
     import sys
 
@@ -182,6 +185,7 @@ def test_import_roundpipe_optim_loads_only_the_optimizers():
     assert out.returncode == 0, out.stderr
     loaded = eval(out.stdout)  # a printed list of module names
     assert "roundpipe.optim.adam" in loaded
-    others = [m for m in loaded if m not in ("roundpipe", "roundpipe._C", "roundpipe.host_buffers")
+    others = [m for m in loaded if m not in ("roundpipe", "roundpipe._C", "roundpipe.host_buffers",
+                                             "roundpipe.torch_private")
               and not m.startswith("roundpipe.optim")]
     assert not others, others

@@ -85,8 +85,7 @@ def test_recompute_helpers_keep_layer_decisions():
     model = RoundPipe(net, num_microbatch=2)
     x, y = data("mlp", 0)
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-    model._steps.wait()
-    grads = {n: g for n, g in zip(model._copies.names, model._copies.grads)}
+    grads = model.accumulated_grads()
     # microbatch 0 took path a (calls=1), microbatch 1 path b (calls=2): both got gradients
     assert grads["0.a.weight"] is not None and grads["0.b.weight"] is not None
     with pytest.raises(RuntimeError, match="outside"):

@@ -346,7 +346,7 @@ def test_error_in_a_background_step_surfaces_at_the_next_call_and_training_goes_
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, optimizer=bad)
         model.synchronize()
     model.synchronize()
-    assert all(g is None for g in model._copies.grads)
+    assert all(g is None for g in model.accumulated_grads().values())
 
 
 @pytest.mark.parametrize("where", ["layer", "loss", "interrupt"])
@@ -373,7 +373,7 @@ def test_error_on_a_worker_reaches_the_caller_without_deadlock(where):
                                loss_fn=bad_loss if where == "loss" else loss_fn)
     if handle:
         handle.remove()
-    assert all(g is None for g in model._copies.grads)   # the partial gradient was discarded
+    assert all(g is None for g in model.accumulated_grads().values())   # the partial gradient was discarded
     for m in (model, twin):
         torch.manual_seed(1)
         m.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)

@@ -31,41 +31,48 @@ from .optim import CpuOptimizer
 from .quant import frozen_base_keys
 
 
-def _names(model) -> dict[int, str]:
-    """Optimizer-copy index -> the parameter's (first) name."""
-    return dict(enumerate(model._copies.names))
+class _Params:
+    """What a checkpoint needs of a RoundPipe's trainable parameters, read through its public
+    accessors once: their names, optimizer copies, this rank's rows and whole shapes."""
+
+    def __init__(self, model) -> None:
+        named = list(model.optim_named_parameters())
+        rows = model.optim_shard_rows()
+        self.names = [n for n, _ in named]
+        self.optim = [o for _, o in named]
+        self.rows = [rows[n] for n in self.names]
+        self.model = [model.module.get_parameter(n) for n in self.names]  # the model copies
+        self.index = {id(o): i for i, o in enumerate(self.optim)}
 
 
-def _wrap(model, i: int, t: torch.Tensor, mesh) -> Any:
+def _wrap(params: _Params, i: int, t: torch.Tensor, mesh) -> Any:
     """``t`` (this rank's part of parameter ``i``'s tensor) as what DCP saves: a ``DTensor``
     sharded by rows when the optimizer is sharded, else the tensor itself (replicated)."""
-    copies = model._copies
-    if mesh is None or copies.rows[i] is None or t.dim() == 0:
+    if mesh is None or params.rows[i] is None or t.dim() == 0:
         return t
     from torch.distributed.tensor import DTensor, Shard
 
-    full = copies.model[i].shape
+    full = params.model[i].shape
     stride = torch.empty(full, device="meta").stride()
     return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=full, stride=stride)
 
 
 def _mesh(model):
-    comm = model._comm
-    if comm is None or not comm.shard:
+    group = model.host_process_group
+    if group is None or not model.shard_optimizer:
         return None
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(comm.group, "cpu")
+    return DeviceMesh.from_group(group, "cpu")
 
 
 def _state(model, optimizer, mesh, template_keys: Optional[dict] = None) -> dict:
-    copies = model._copies
-    names = _names(model)
+    params = _Params(model)
+    names, index = params.names, params.index
     sd: dict[str, Any] = {"model": {}}
-    index = {id(o): i for i, o in enumerate(copies.optim)}
-    for i, name in names.items():
-        sd["model"][name] = _wrap(model, i, copies.optim[i].data, mesh)
-    trainable = {id(p) for p in copies.model}
+    for i, name in enumerate(names):
+        sd["model"][name] = _wrap(params, i, params.optim[i].data, mesh)
+    trainable = {id(p) for p in params.model}
     base = frozen_base_keys(model.module)  # quantized frozen weights: the base, not written
     for name, t in model.module.state_dict(keep_vars=True).items():
         if name in base:
@@ -82,12 +89,12 @@ def _state(model, optimizer, mesh, template_keys: Optional[dict] = None) -> dict
                 i = index[id(p)]
                 if template_keys is None:
                     st = optimizer.state.get(p, {})
-                    if model._copies.rows[i] is not None:
+                    if params.rows[i] is not None:
                         st = _portable(optimizer, st)
                 else:  # loading: a tensor for every entry of the checkpoint, as it was saved
                     st = {key: torch.empty(p.shape if shape == "param" else shape, dtype=dtype)
                           for key, (shape, dtype) in template_keys.get(names[i], {}).items()}
-                state[names[i]] = {k: (_wrap(model, i, v, mesh) if torch.is_tensor(v)
+                state[names[i]] = {k: (_wrap(params, i, v, mesh) if torch.is_tensor(v)
                                        and v.shape == p.shape and v.dim() > 0 else v)
                                    for k, v in st.items()}
         sd["optimizer"] = {"state": state, "param_groups": _blob(groups),
@@ -112,7 +119,7 @@ def _info(optimizer: torch.optim.Optimizer) -> dict:
     depend on it, see ``CpuOptimizer.state_dict``)."""
     info = {"class": _class_name(optimizer)}
     if isinstance(optimizer, CpuOptimizer):
-        info["rounding_calls"] = optimizer._memory.calls
+        info["rounding_calls"] = optimizer.rounding_calls
     return info
 
 
@@ -122,7 +129,7 @@ def _portable(optimizer: torch.optim.Optimizer, st: dict) -> dict:
     would split differently), written as the float32 values it reads back as."""
     if isinstance(optimizer, CpuOptimizer) and any(
             torch.is_tensor(v) and v.dtype == torch.uint8 for v in st.values()):
-        return optimizer._state_as_float32(st)
+        return optimizer.state_as_float32(st)
     return st
 
 
@@ -139,11 +146,11 @@ def _adopt(optimizer: torch.optim.Optimizer, p: torch.Tensor, loaded: dict,
         return
     if rows is not None and any(torch.is_tensor(v) and v.dtype == torch.uint8
                                 for v in loaded.values()):  # whole codes: values, our rows
-        loaded = {k: v[rows[0]:rows[1]] if k in optimizer._state_keys and v.dim() > 0 else v
-                  for k, v in optimizer._state_as_float32(loaded).items()}
+        loaded = {k: v[rows[0]:rows[1]] if k in optimizer.state_keys and v.dim() > 0 else v
+                  for k, v in optimizer.state_as_float32(loaded).items()}
     st = {k: v for k, v in loaded.items()
-          if k not in optimizer._state_keys and not k.endswith("_absmax")}
-    optimizer._store_state(p, st, loaded)
+          if k not in optimizer.state_keys and not k.endswith("_absmax")}
+    optimizer.store_state(p, st, loaded)
     optimizer.state[p] = st
 
 
@@ -206,7 +213,8 @@ def _check_optimizer(path: str, meta, model, optimizer: torch.optim.Optimizer,
         raise ValueError(f"{where}: the checkpoint was saved by another optimizer class "
                          f"({saved_class}) than this one ({mine_class}); their states do not "
                          "mean the same")
-    names, index = _names(model), {id(o): i for i, o in enumerate(model._copies.optim)}
+    params = _Params(model)
+    names, index = params.names, params.index
     if len(saved) != len(optimizer.param_groups):
         raise ValueError(f"{where}: the checkpoint's optimizer has {len(saved)} param groups, "
                          f"this one {len(optimizer.param_groups)}")
@@ -244,14 +252,15 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     group = model.process_group
     saved_groups, info = (None, {}) if optimizer is None else _check_optimizer(
         path, meta, model, optimizer, group)
-    trainable = {name: copies_i for copies_i, name in _names(model).items()}
+    params = _Params(model)
+    trainable = {name: i for i, name in enumerate(params.names)}
     keys: dict[str, dict[str, tuple]] = {}  # name -> key -> (shape or "param", dtype)
     for fqn, m in meta.state_dict_metadata.items():
         parts = fqn.split(".")
         if parts[:2] == ["optimizer", "state"] and hasattr(m, "size"):
             name, key = ".".join(parts[2:-1]), parts[-1]
             i = trainable.get(name)
-            whole = i is not None and tuple(m.size) == tuple(model._copies.model[i].shape) \
+            whole = i is not None and tuple(m.size) == tuple(params.model[i].shape) \
                 and len(m.size) > 0 and m.properties.dtype != torch.uint8  # codes: whole
             keys.setdefault(name, {})[key] = ("param" if whole else tuple(m.size),
                                               m.properties.dtype)
@@ -261,27 +270,18 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
         del sd["optimizer"]["param_groups"]  # both read by _check_optimizer
         del sd["optimizer"]["info"]
     _dcp_load(sd, path, group)
-    copies = model._copies  # the optimizer copies, buffers and state were loaded in place
-    for i in range(len(copies.model)):
-        copies.write_back(i)
-    if copies.comm is not None:
-        copies.comm.all_gather_rows([copies.model[i]
-                                     for i in copies.sharded(range(len(copies.model)))])
-    for i, p in enumerate(copies.model):
-        copies.synced[i] = copies.version(p)
+    model.sync_model_copies()  # the optimizer copies, buffers and state were loaded in place
     if optimizer is not None:
-        names = _names(model)
-        index = {id(o): i for i, o in enumerate(copies.optim)}
         for g in optimizer.param_groups:
             for p in g["params"]:
-                i = index[id(p)]
-                loaded = sd["optimizer"]["state"].get(names[i], {})
+                i = params.index[id(p)]
+                loaded = sd["optimizer"]["state"].get(params.names[i], {})
                 _adopt(optimizer, p, {k: v.to_local() if hasattr(v, "to_local") else v
-                                      for k, v in loaded.items()}, copies.rows[i])
+                                      for k, v in loaded.items()}, params.rows[i])
         for g, saved in zip(optimizer.param_groups, saved_groups):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = v
         if isinstance(optimizer, CpuOptimizer) and "rounding_calls" in info:
-            optimizer._memory.calls = int(info["rounding_calls"])
+            optimizer.rounding_calls = int(info["rounding_calls"])
     return _unblob(sd["extra"])

@@ -269,7 +269,7 @@ class Reduction:
         be stepped from directly (exact mode), the others accumulated."""
         direct = {}
         for i, g in got.items():
-            if i in keep and self.copies.grads[i] is None:
+            if i in keep and not self.copies.has_grad(i):
                 direct[i] = g
             else:
                 self.copies.accumulate(i, g, owned, norms.get(i))
@@ -363,13 +363,13 @@ class ShardedReduction(Reduction):
         self.divisor = float(comm.size) if comm.mean else 1.0
 
     def stage_always(self, stage: int) -> bool:
-        return bool(self.copies.stage_params[stage])
+        return bool(self.copies.index.stage_params[stage])
 
     def consume(self, stage, got, norms, owned, keep):
         copies, comm = self.copies, self.comm
-        indices = copies.stage_params[stage]
-        rows = [i for i in indices if copies.rows[i] is not None]
-        whole = [i for i in indices if copies.rows[i] is None]
+        indices = copies.index.stage_params[stage]
+        rows = [i for i in indices if copies.index.rows[i] is not None]
+        whole = [i for i in indices if copies.index.rows[i] is None]
         present = comm.present([i in got for i in indices])
         shards = comm.reduce_scatter_rows([got.get(i) for i in rows],
                                           [copies.model[i].shape for i in rows], copies.pool)
@@ -389,10 +389,10 @@ class ShardedReduction(Reduction):
 
     def norm_sq(self, norms):
         rows = math.fsum(n for i, n in enumerate(norms)
-                         if n is not None and self.copies.rows[i] is not None)
+                         if n is not None and self.copies.index.rows[i] is not None)
         whole = math.fsum(n for i, n in enumerate(norms)
-                          if n is not None and self.copies.rows[i] is None)
+                          if n is not None and self.copies.index.rows[i] is None)
         return self.comm.sum_scalar(rows) + whole
 
     def written(self, indices: list[int]) -> None:
-        self.comm.all_gather_rows([self.copies.model[i] for i in self.copies.sharded(indices)])
+        self.comm.all_gather_rows([self.copies.model[i] for i in self.copies.index.sharded(indices)])

@@ -159,9 +159,13 @@ class GradScaler:
 
     # --- what the wrapper calls ----------------------------------------------------------------------
 
-    def _update(self, found_inf: bool, used_scale: float) -> bool:
-        """The verdict of a step whose gradients were scaled by ``used_scale``; returns whether
-        the step is skipped."""
+    def apply_verdict(self, found_inf: bool, used_scale: float) -> bool:
+        """Records the verdict of a step whose gradients were scaled by ``used_scale`` (what
+        ``RoundPipe.step`` calls once it knows whether the gradients overflowed): an overflow
+        (``found_inf``) counts toward ``hysteresis`` and then backs the scale off from
+        ``used_scale`` (not below ``min_scale``); a finite step counts toward growth (every
+        ``growth_interval`` finite steps in a row multiply the scale by ``growth_factor``, in
+        float32, as torch's). Returns whether the step is skipped (False when disabled)."""
         if not self._enabled:
             return False
         with self._lock:

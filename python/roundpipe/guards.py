@@ -65,7 +65,7 @@ def finished(t: Any) -> Any:
     """``t`` (a tensor, or a tree of them) with each floating tensor viewed as a
     :class:`Finished` tensor (the same memory, dtype and device: no copy); other leaves are
     returned as they are."""
-    from torch.utils._pytree import tree_map
+    from .torch_private import tree_map
 
     def wrap(x):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and not isinstance(x, Finished):

@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch
 
+from .torch_private import tensor_base
 
 LARGE = 1 << 20
 _M_MMAP_THRESHOLD = -3
@@ -96,7 +97,8 @@ class HostBuffers:
     def give(self, t: torch.Tensor) -> None:
         """Gives back a tensor from :meth:`take` (any other tensor is ignored: freed as usual).
         The caller must not use it afterwards."""
-        base = t._base if t._base is not None else t
+        base = tensor_base(t)
+        base = t if base is None else base
         with self._lock:
             if self._out.get(id(base)) is base:
                 del self._out[id(base)]

@@ -14,7 +14,8 @@ import numbers
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .torch_private import tree_flatten, tree_map, tree_unflatten
 
 Microbatch = tuple[tuple, dict, Any]  # (input_args, input_kwargs, label)
 

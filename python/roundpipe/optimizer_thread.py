@@ -18,6 +18,10 @@ from .threads import LayerGates, Worker, check_not_forked
 Job = Callable[[Callable[[int], None]], Any]
 
 
+def _nothing() -> None:
+    pass
+
+
 class OptimizerThread:
     """Args:
         num_layers: number of pipeline layers (for the gates).
@@ -32,6 +36,7 @@ class OptimizerThread:
         self._futures: list[cf.Future] = []
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
+        self._started = False  # run_here started the thread
 
     def is_current(self) -> bool:
         """Whether the calling thread is the optimizer thread."""
@@ -42,19 +47,30 @@ class OptimizerThread:
         the latest when it ends); its error is kept for :meth:`raise_error`."""
         layers = list(layers)
         self.gates.block(layers)
-
-        def run():
-            try:
-                self.run_now(job, layers, in_background=True)
-            except BaseException as e:  # noqa: BLE001 - re-raised at the next call
-                with self._lock:
-                    if self._error is None:
-                        self._error = e
-                del e
-
         with self._lock:  # workers and the caller both submit
             self._futures = [f for f in self._futures if not f.done()]
-            self._futures.append(self.worker.submit(run))
+            self._futures.append(self.worker.submit(self._run_kept, job, layers))
+
+    def run_here(self, job: Job) -> None:
+        """Runs ``job(release)`` on the calling thread as a queued job that blocks no layer
+        would run on the optimizer thread, its error kept for :meth:`raise_error` likewise:
+        for a job with nothing to wait for (the caller checked :meth:`idle`) and nothing to
+        overlap with, saving the hand-off to the thread and back. The thread is started all the
+        same, as a queued job would start it: what the wrapper's threads being started means
+        (the error of a call in a ``fork()``-ed child) does not depend on where a job ran."""
+        if not self._started:
+            self._started = True
+            self.worker.submit(_nothing)
+        self._run_kept(job, ())
+
+    def _run_kept(self, job: Job, layers: list[int]) -> None:
+        try:
+            self.run_now(job, layers, in_background=True)
+        except BaseException as e:  # noqa: BLE001 - re-raised at the next call
+            with self._lock:
+                if self._error is None:
+                    self._error = e
+            del e
 
     def run_now(self, job: Job, layers: Iterable[int], in_background: bool = False) -> Any:
         """Runs ``job(release)`` here; every layer in ``layers`` it did not release is

@@ -4,35 +4,141 @@ Every parameter that requires grad when the model is wrapped has two host copies
 *model copy* (the module's own parameter, in the model's dtype: what the devices compute
 with) and the *optimizer copy* (a separate ``nn.Parameter`` in ``optim_dtype``: what optimizers
 step) — or one, when ``optim_dtype`` is given and is the parameter's own dtype (e.g. bfloat16
-master weights): the optimizer then steps the model copy itself (:attr:`ParamCopies.shared`),
+master weights): the optimizer then steps the model copy itself (:attr:`ParamIndex.shared`),
 and writing back is nothing to do. :class:`ParamCopies` owns the optimizer copies, the
 gradients accumulated for them between steps, and keeping the two copies consistent
 (write-back after a step, picking up a model copy changed behind the wrapper's back, the set
-of model copies an asynchronous step left behind). Sharded over ranks (:mod:`roundpipe.distributed`), an optimizer copy holds only
-this rank's rows of its parameter (:attr:`ParamCopies.rows`); the model copy stays whole.
+of model copies an asynchronous step left behind), each change one of its methods, as each
+``FSDPParam`` of FSDP2 owns one parameter's state. The maps between parameters, layers and
+stages never change: :class:`ParamIndex`. Sharded over ranks (:mod:`roundpipe.distributed`),
+an optimizer copy holds only this rank's rows of its parameter (:attr:`ParamIndex.rows`); the
+model copy stays whole.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Optional
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from .host_buffers import HostBuffers, host_empty
 from .plan import Stage
+from .torch_private import module_buffers, tensor_version
 from .transfer import TensorRef
 
 
+@dataclass(frozen=True)
+class ParamIndex:
+    """The fixed maps between a wrapped model's trainable parameters (numbered ``0..n-1`` in
+    ``module.named_parameters()`` order, a tied parameter once), its layers and its stages,
+    built once per wrapper (again after unpickling: they are keyed by object identity).
+
+    Attributes:
+        names: each parameter's (first) name in the module.
+        position: ``id(model copy)`` -> its number.
+        known: ids of every parameter of the module (trainable when wrapped or not).
+        rows: per parameter, the ``(start, stop)`` rows of dim 0 this rank's optimizer copy
+            holds when sharded over ranks, else None (the whole parameter).
+        shared: per parameter, whether the optimizer copy is (this rank's rows of) the model
+            copy itself (``optim_dtype`` equal to its dtype): nothing to write back.
+        optim_dtypes: the dtypes of the optimizer copies.
+        layer_params: per layer, the parameters it uses, each once, in its order.
+        param_layers: per parameter, the layers using it, in order.
+        own_params: per layer, the parameters whose first layer it is (each parameter in
+            exactly one layer: where a step writes it).
+        final_params: per stage, the parameters whose gradient is final after that stage's
+            backward visit (their lowest stage: the backward runs stages in descending order).
+        stage_params: per stage, the parameters its layers use, each once, in layer order.
+    """
+
+    names: tuple[str, ...]
+    position: Mapping[int, int]
+    known: frozenset[int]
+    rows: tuple[Optional[tuple[int, int]], ...]
+    shared: tuple[bool, ...]
+    optim_dtypes: frozenset[torch.dtype]
+    layer_params: tuple[tuple[int, ...], ...]
+    param_layers: tuple[tuple[int, ...], ...]
+    own_params: tuple[tuple[int, ...], ...]
+    final_params: tuple[tuple[int, ...], ...]
+    stage_params: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def build(cls, module: nn.Module, layers: list[nn.Module], stages: list[Stage],
+              model: Sequence[torch.Tensor], optim: Sequence[torch.Tensor], names: Sequence[str],
+              rows: Sequence[Optional[tuple[int, int]]], shared: Sequence[bool]) -> "ParamIndex":
+        """The maps for the model copies ``model`` (with their optimizer copies ``optim``,
+        ``names``, ``rows`` and ``shared`` flags, one each) over ``layers`` and ``stages``."""
+        position = {id(p): i for i, p in enumerate(model)}
+        layer_params: list[tuple[int, ...]] = []
+        for layer in layers:
+            ids = dict.fromkeys(position[id(p)] for p in layer.parameters() if id(p) in position)
+            layer_params.append(tuple(ids))
+        param_layers: list[list[int]] = [[] for _ in model]
+        for li, ids in enumerate(layer_params):
+            for i in ids:
+                param_layers[i].append(li)
+        own_params = tuple(tuple(i for i in ids if param_layers[i][0] == li)  # first layer
+                           for li, ids in enumerate(layer_params))
+        first_stage: dict[int, int] = {}
+        for st in stages:
+            for li in st.layers:
+                for i in layer_params[li]:
+                    first_stage[i] = min(first_stage.get(i, st.index), st.index)
+        final_params: list[list[int]] = [[] for _ in stages]
+        for i in range(len(model)):
+            if i in first_stage:
+                final_params[first_stage[i]].append(i)
+        stage_params = tuple(  # each once, in layer order
+            tuple(dict.fromkeys(i for li in st.layers for i in layer_params[li])) for st in stages)
+        return cls(tuple(names), MappingProxyType(position),
+                   frozenset({id(p) for p in module.parameters()} | set(position)),
+                   tuple(rows), tuple(shared), frozenset(p.dtype for p in optim),
+                   tuple(layer_params), tuple(tuple(ls) for ls in param_layers), own_params,
+                   tuple(tuple(f) for f in final_params), stage_params)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def first_trainable_stage(self) -> int:
+        """The lowest stage holding a trainable parameter (its backward visit comes last)."""
+        return next((s for s, f in enumerate(self.final_params) if f),
+                    len(self.final_params) - 1)
+
+    def layers_of(self, indices: Iterable[int]) -> list[int]:
+        """The layers holding any of the parameters ``indices``, in order."""
+        return sorted({li for i in indices for li in self.param_layers[i]})
+
+    def sharded(self, indices: Iterable[int]) -> list[int]:
+        """Those of ``indices`` whose optimizer copy holds only some rows."""
+        return [i for i in indices if self.rows[i] is not None]
+
+
 class ParamCopies:
-    """Args:
+    """The copies of one wrapper's trainable parameters (see the module docstring), and the
+    state that changes between steps — the accumulated gradients with their known squared
+    norms, which model copies an asynchronous step left behind (*stale*), the version of each
+    model copy last written from its optimizer copy — changed only through its methods
+    (called on the caller's thread or the optimizer thread, never both at once except for
+    the stale set, which :attr:`lock` guards).
+
+    Args:
         module: the module whose names the wrapper presents.
         layers: the pipeline's layers (their parameters and buffers belong to ``module``).
         stages: the stages over ``layers``.
         optim_dtype: dtype of the optimizer copies (None: a separate copy in each parameter's
             own dtype; a parameter already of ``optim_dtype`` has one copy).
         comm: the process group side (:class:`roundpipe.distributed.Comm`), or None.
+
+    Attributes:
+        model: the model copies (the module's parameters), in :class:`ParamIndex` order.
+        optim: their optimizer copies (``nn.Parameter``; the model copy itself where shared).
+        index: the fixed maps (:class:`ParamIndex`).
+        pool: recycled host buffers for gradients.
 
     Raises:
         ValueError: a trainable parameter is not floating point.
@@ -41,98 +147,62 @@ class ParamCopies:
     def __init__(self, module: nn.Module, layers: list[nn.Module], stages: list[Stage],
                  optim_dtype: Optional[torch.dtype], comm: Any = None) -> None:
         self.module, self.layers, self.stages, self.comm = module, layers, stages, comm
-        self.names: list[str] = []
-        self.model: list[nn.Parameter] = []
-        self.optim: list[nn.Parameter] = []
-        self.rows: list[Optional[tuple[int, int]]] = []  # this rank's rows (None: whole)
-        self.shared: list[bool] = []  # the optimizer copy is (this rank's rows of) the model copy
+        names: list[str] = []
+        model: list[nn.Parameter] = []
+        optim: list[nn.Parameter] = []
+        rows: list[Optional[tuple[int, int]]] = []  # this rank's rows (None: whole)
+        shared: list[bool] = []  # the optimizer copy is (this rank's rows of) the model copy
         for name, p in module.named_parameters():
             if not p.requires_grad:
                 continue
             if not p.dtype.is_floating_point:
                 raise ValueError(f"RoundPipe: trainable parameter {name!r} has dtype {p.dtype}")
-            self.names.append(name)
-            self.model.append(p)
-            rows = comm.rows(p.shape) if comm is not None and comm.sharded(p.shape) else None
-            self.rows.append(rows)
-            src = p.detach() if rows is None else p.detach()[rows[0]:rows[1]]
-            shared = p.dtype == optim_dtype
-            self.shared.append(shared)
-            if shared:
-                self.optim.append(p if rows is None else nn.Parameter(src))
+            names.append(name)
+            model.append(p)
+            part = comm.rows(p.shape) if comm is not None and comm.sharded(p.shape) else None
+            rows.append(part)
+            src = p.detach() if part is None else p.detach()[part[0]:part[1]]
+            one = p.dtype == optim_dtype
+            shared.append(one)
+            if one:
+                optim.append(p if part is None else nn.Parameter(src))
             else:
                 copy = host_empty(src.shape, optim_dtype or p.dtype).copy_(src)
-                self.optim.append(nn.Parameter(copy))
+                optim.append(nn.Parameter(copy))
+        self.model, self.optim = tuple(model), tuple(optim)
+        self._stale: set[int] = set()  # model copies behind their optimizer copies (async step)
+        self._start(names, rows, shared)
+
+    def _start(self, names, rows, shared) -> None:
+        """The maps (from the parameter objects), the lock, the pool and empty gradients."""
+        self.index = ParamIndex.build(self.module, self.layers, self.stages, self.model,
+                                      self.optim, names, rows, shared)
         self.lock = threading.Lock()
         self.pool = HostBuffers()
-        self.stale: set[int] = set()  # model copies behind their optimizer copies (async step)
-        self.rebuild()
-
-    def rebuild(self) -> None:
-        """(Re)builds every map from the parameter objects (after unpickling too)."""
-        self.index = {id(p): i for i, p in enumerate(self.model)}
-        self.known = {id(p) for p in self.module.parameters()} | set(self.index)
-        self.grads: list[Optional[torch.Tensor]] = [None] * len(self.model)
-        self.norms_sq: list[Optional[float]] = [None] * len(self.model)
-        self.synced = [self.version(p) for p in self.model]
-        self.optim_dtypes = frozenset(p.dtype for p in self.optim)
-        self.layer_params: list[list[int]] = []
-        for layer in self.layers:
-            ids: list[int] = []
-            for p in layer.parameters():
-                i = self.index.get(id(p))
-                if i is not None and i not in ids:
-                    ids.append(i)
-            self.layer_params.append(ids)
-        self.param_layers: list[list[int]] = [[] for _ in self.model]
-        for li, ids in enumerate(self.layer_params):
-            for i in ids:
-                self.param_layers[i].append(li)
-        self.own_params = [[i for i in ids if self.param_layers[i][0] == li]  # first layer
-                           for li, ids in enumerate(self.layer_params)]
-        stages_of: dict[int, set[int]] = {}
-        for st in self.stages:
-            for li in st.layers:
-                for i in self.layer_params[li]:
-                    stages_of.setdefault(i, set()).add(st.index)
-        self.final_params: list[list[int]] = [[] for _ in self.stages]
-        for i in range(len(self.model)):
-            if i in stages_of:
-                self.final_params[min(stages_of[i])].append(i)
-        self.stage_params: list[list[int]] = [  # each once, in layer order
-            list(dict.fromkeys(i for li in st.layers for i in self.layer_params[li]))
-            for st in self.stages]
-
-    _DERIVED = ("lock", "pool", "comm", "index", "known", "grads", "norms_sq", "synced",
-                "optim_dtypes", "layer_params", "param_layers", "own_params", "final_params",
-                "stage_params")
+        self._grads: list[Optional[torch.Tensor]] = [None] * len(self.model)
+        self._norms_sq: list[Optional[float]] = [None] * len(self.model)
+        self._synced = [self.version(p) for p in self.model]
 
     def __getstate__(self) -> dict:
         """Pickling keeps the copies and the set of stale model copies; the maps (over object
         identities), the lock and the gradients are rebuilt or dropped."""
-        return {k: v for k, v in self.__dict__.items() if k not in self._DERIVED}
+        keep = ("module", "layers", "stages", "model", "optim", "_stale")
+        state = {k: self.__dict__[k] for k in keep}
+        state.update(names=self.index.names, rows=self.index.rows, shared=self.index.shared)
+        return state
 
     def __setstate__(self, state: dict) -> None:
+        names, rows, shared = state.pop("names"), state.pop("rows"), state.pop("shared")
         self.__dict__.update(state)
-        self.lock = threading.Lock()
-        self.pool = HostBuffers()
         self.comm = None
-        self.rebuild()
+        self._start(names, rows, shared)
 
     @staticmethod
     def version(p: torch.Tensor) -> tuple[int, int]:
-        return (p.data_ptr(), p._version)
+        return (p.data_ptr(), tensor_version(p))
 
     def __len__(self) -> int:
         return len(self.model)
-
-    def first_trainable_stage(self) -> int:
-        """The lowest stage holding a trainable parameter (its backward visit comes last)."""
-        return next((s for s, f in enumerate(self.final_params) if f), len(self.stages) - 1)
-
-    def layers_of(self, indices: Iterable[int]) -> list[int]:
-        """The layers holding any of the parameters ``indices``, in order."""
-        return sorted({li for i in indices for li in self.param_layers[i]})
 
     # --- what the layers compute with ------------------------------------------------------------
 
@@ -147,13 +217,14 @@ class ParamCopies:
             RuntimeError: a parameter that requires grad has no optimizer copy: it was frozen
                 when the model was wrapped, or it replaced a wrapped parameter.
         """
+        position, known = self.index.position, self.index.known
         out = []
         for li, layer in enumerate(self.layers):
             refs = []
             for name, p in layer.named_parameters():
-                i = self.index.get(id(p))
+                i = position.get(id(p))
                 if i is None and p.requires_grad:
-                    if id(p) in self.known:
+                    if id(p) in known:
                         raise RuntimeError(
                             f"RoundPipe: parameter {name!r} of layer {li} requires grad but was "
                             "frozen when the model was wrapped, so it has no optimizer copy; set "
@@ -168,7 +239,7 @@ class ParamCopies:
                 refs.append(TensorRef(name, p, i, False))
             seen: set[int] = set()
             for prefix, module in layer.named_modules():
-                for bname, b in module._buffers.items():
+                for bname, b in module_buffers(module).items():
                     if b is not None and id(b) not in seen:
                         seen.add(id(b))
                         refs.append(TensorRef(f"{prefix}.{bname}" if prefix else bname, b, None,
@@ -181,49 +252,79 @@ class ParamCopies:
     def model_rows(self, i: int) -> torch.Tensor:
         """The part of model copy ``i`` that optimizer copy ``i`` holds (all of it unless
         sharded)."""
-        rows = self.rows[i]
+        rows = self.index.rows[i]
         return self.model[i] if rows is None else self.model[i].data[rows[0]:rows[1]]
-
-    def sharded(self, indices: Iterable[int]) -> list[int]:
-        """Those of ``indices`` whose optimizer copy holds only some rows."""
-        return [i for i in indices if self.rows[i] is not None]
 
     def refresh_from_model(self) -> None:
         """A model copy changed behind the wrapper's back (e.g. ``load_state_dict`` on the
         wrapped model after wrapping): its optimizer copy takes its value, so the next step
         trains what was loaded. Only called while no optimizer work is pending."""
+        rows, shared = self.index.rows, self.index.shared
         with torch.no_grad():
             for i, p in enumerate(self.model):
-                if self.version(p) != self.synced[i]:
-                    if not self.shared[i]:
+                if self.version(p) != self._synced[i]:
+                    if not shared[i]:
                         self.optim[i].copy_(self.model_rows(i))
-                    elif self.rows[i] is not None and self.optim[i].data_ptr() != \
+                    elif rows[i] is not None and self.optim[i].data_ptr() != \
                             self.model_rows(i).data_ptr():  # .data replaced: view the new rows
                         self.optim[i].data = self.model_rows(i)
-                    self.synced[i] = self.version(p)
+                    self._synced[i] = self.version(p)
 
     def write_back(self, i: int) -> None:
         """Model copy ``i`` takes its optimizer copy's value, rounded to the model dtype (its
         rows of it when sharded: the caller all-gathers the rest); nothing to copy when they
         are one."""
-        if not self.shared[i]:
+        if not self.index.shared[i]:
             with torch.no_grad():
                 self.model_rows(i).copy_(self.optim[i])
-        self.synced[i] = self.version(self.model[i])
+        self._synced[i] = self.version(self.model[i])
 
     def mark_synced(self, i: int) -> None:
         """Model copy ``i`` was just written from its optimizer copy (by a fused step)."""
-        self.synced[i] = self.version(self.model[i])
+        self._synced[i] = self.version(self.model[i])
 
     def write_back_stale(self) -> None:
         """Every model copy an asynchronous step left behind takes its optimizer copy's value
         (sharded: this rank's rows, then every rank's rows all-gathered)."""
         with self.lock:
-            todo, self.stale = sorted(self.stale), set()
+            todo, self._stale = sorted(self._stale), set()
         for i in todo:
             self.write_back(i)
         if self.comm is not None:
-            self.comm.all_gather_rows([self.model[i] for i in self.sharded(todo)])
+            self.comm.all_gather_rows([self.model[i] for i in self.index.sharded(todo)])
+
+    def write_back_all(self) -> None:
+        """Every model copy takes its optimizer copy's value (sharded: this rank's rows, then
+        every rank's rows all-gathered; a collective), e.g. after the optimizer copies were
+        loaded in place from a checkpoint. Only called while no optimizer work is pending."""
+        with self.lock:
+            self._stale = set()
+        for i in range(len(self.model)):
+            self.write_back(i)
+        if self.comm is not None:
+            self.comm.all_gather_rows([self.model[i]
+                                       for i in self.index.sharded(range(len(self.model)))])
+        for i, p in enumerate(self.model):
+            self._synced[i] = self.version(p)
+
+    def begin_async_step(self) -> list[int]:
+        """An asynchronous step is queued: returns the model copies the step before left
+        behind (sorted; the step writes them back first), and from now on every model copy
+        with a separate optimizer copy is behind it until written back."""
+        shared = self.index.shared
+        with self.lock:
+            behind = sorted(self._stale)
+            self._stale = {i for i in range(len(self.model)) if not shared[i]}
+        return behind
+
+    def will_write(self, indices: Optional[Iterable[int]] = None) -> None:
+        """The model copies ``indices`` (default: all) are written by work queued now (exact
+        mode's step of a stage, or of everything after the backward): no longer behind."""
+        with self.lock:
+            if indices is None:
+                self._stale.clear()
+            else:
+                self._stale.difference_update(indices)
 
     # --- gradients -----------------------------------------------------------------------------------
 
@@ -238,24 +339,45 @@ class ParamCopies:
         where it was summed) is kept for the first one; a sum's norm is unknown until
         measured."""
         dtype = torch.promote_types(self.optim[i].dtype, torch.float32)
-        if self.grads[i] is None:
+        if self._grads[i] is None:
             if owned and g.dtype == dtype:
-                self.grads[i] = g
+                self._grads[i] = g
             else:
-                self.grads[i] = self.pool.take(g.shape, dtype).copy_(g)
-            self.norms_sq[i] = norm_sq
+                self._grads[i] = self.pool.take(g.shape, dtype).copy_(g)
+            self._norms_sq[i] = norm_sq
         else:
-            self.grads[i].add_(g)
-            self.norms_sq[i] = None
+            self._grads[i].add_(g)
+            self._norms_sq[i] = None
             if owned:
                 self.pool.give(g)
+
+    def has_grad(self, i: int) -> bool:
+        """Whether parameter ``i`` has an accumulated gradient."""
+        return self._grads[i] is not None
+
+    def accumulated(self) -> dict[str, Optional[torch.Tensor]]:
+        """A copy of each accumulated gradient (None where there is none) under the
+        parameter's (first) name; nothing changes."""
+        return {n: None if g is None else g.clone() for n, g in zip(self.index.names, self._grads)}
 
     def take_grads(self) -> tuple[list[Optional[torch.Tensor]], list[Optional[float]]]:
         """The accumulated gradients and their known squared norms (the copies start over
         without any)."""
-        grads, self.grads = self.grads, [None] * len(self.model)
-        norms, self.norms_sq = self.norms_sq, [None] * len(self.model)
+        grads, self._grads = self._grads, [None] * len(self.model)
+        norms, self._norms_sq = self._norms_sq, [None] * len(self.model)
         return grads, norms
+
+    def take_final(self, indices: Iterable[int],
+                   direct: dict[int, torch.Tensor]) -> dict[int, Optional[torch.Tensor]]:
+        """The gradients of the parameters ``indices``, final at a stage (exact mode): the
+        download in ``direct`` where there is one, else the accumulated one, which the copies
+        then no longer hold."""
+        out = {}
+        for i in indices:
+            out[i] = direct[i] if i in direct else self._grads[i]
+            self._grads[i] = None
+            self._norms_sq[i] = None
+        return out
 
     def clear_grads(self) -> None:
         """Discards the accumulated gradients (their buffers go back to the pool)."""
@@ -270,10 +392,11 @@ class ParamCopies:
         """``sd`` (the module's state dict) with every name of a trainable parameter (tied ones
         included) holding its optimizer copy."""
         full = {}
-        for i in self.sharded(range(len(self.model))):  # collective: every rank calls it
+        for i in self.index.sharded(range(len(self.model))):  # collective: every rank calls it
             full[i] = self.comm.gather_rows(self.optim[i].detach(), self.model[i].shape)
+        position = self.index.position
         for name, p in self.module.named_parameters(remove_duplicate=False):
-            i = self.index.get(id(p))
+            i = position.get(id(p))
             if i is not None:
                 o = full.get(i, self.optim[i])
                 sd[prefix + name] = o if keep_vars else o.detach()
@@ -283,16 +406,17 @@ class ParamCopies:
         """After the module loaded ``state_dict``: each optimizer copy takes its value at full
         precision. A parameter loaded under several names (tied weights) takes the value of
         the name the module loaded last, as the model copy did."""
+        position = self.index.position
         last: dict[int, str] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
-            i = self.index.get(id(p))
+            i = position.get(id(p))
             if i is not None and name in state_dict:
                 last[i] = name
         with torch.no_grad():
             for i, name in last.items():
-                if self.shared[i]:
+                if self.index.shared[i]:
                     continue  # the module loaded it
-                value, rows = state_dict[name], self.rows[i]
+                value, rows = state_dict[name], self.index.rows[i]
                 self.optim[i].copy_(value if rows is None else value[rows[0]:rows[1]])
         for i, p in enumerate(self.model):
-            self.synced[i] = self.version(p)
+            self._synced[i] = self.version(p)

@@ -11,6 +11,8 @@ from typing import Collection, Optional, Sequence
 import torch
 from torch import nn
 
+from .torch_private import module_buffers
+
 
 def split_layers(model: nn.Module) -> list[nn.Module]:
     """An ``nn.Sequential``'s entries are the layers, in order, a module repeated in it counted
@@ -115,7 +117,7 @@ def shared_modules(layers: Sequence[nn.Module], stages: Sequence[Stage],
     for li, layer in enumerate(layers):
         for m in layer.modules():
             users.setdefault(id(m), set()).add(li)
-            if any(b is not None for b in m._buffers.values()):
+            if any(b is not None for b in module_buffers(m).values()):
                 has_buffers.add(id(m))
     group = list(range(len(layers)))  # union-find over layers sharing a module
 

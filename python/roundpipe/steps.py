@@ -1,4 +1,19 @@
-"""The optimizer side's work, run on the optimizer thread (:mod:`roundpipe.optimizer_thread`)
+"""The optimizer side of a RoundPipe, behind one door: the wrapper enters it once per training
+call (:meth:`Steps.call`), once per pass (:meth:`Steps.begin_pass`) and once per step
+(:meth:`Steps.step`); everything about the optimizer thread, its layer gates, the loss scale of
+a call and exact overlapped mode is decided here.
+
+Exact overlapped mode (``forward_backward(..., optimizer=opt)``), read top to bottom:
+:meth:`Steps.call` checks ``opt`` and decides per call between stepping each stage as its
+gradients become final (:class:`ExactStep`, when ``opt`` can be stepped layer by layer and the
+call has no loss scale or clipping) and one step after the backward (otherwise); the pass
+hands each backward visit's download to the call's gradient sink (:meth:`Steps._grad_sink`),
+which queues :meth:`Steps._consume`: accumulate, then ``fused_step`` the parameters final at
+that stage straight from the download (:meth:`Steps._fused`, the kernel in
+:mod:`roundpipe.optim`) and release their layers; the step after the backward is
+:meth:`Steps._step_after_backward` (layer by layer) or a synchronous :meth:`Steps.step`.
+
+The work, run on the optimizer thread (:mod:`roundpipe.optimizer_thread`)
 or, for a synchronous step, on the caller's thread once that queue is empty:
 
 - *consume* (one job per backward stage visit, queued by the pass in descending stage order):
@@ -17,12 +32,13 @@ or, for a synchronous step, on the caller's thread once that queue is empty:
   the weights of the step before (every call of the next iteration computes with those: one
   step of staleness) and releases the layer, then updates the optimizer copies only.
 
-Loss scaling is fixed per step (:meth:`Steps.begin_call`): the calls between two steps use
+Loss scaling is fixed per step (:meth:`Steps._begin_call`): the calls between two steps use
 the scale in force when the first of them started, and the step unscales by that scale.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -33,8 +49,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
-from torch.utils._pytree import tree_map
 
 from . import guards
 from .clipping import Clip, total_norm
@@ -42,10 +56,12 @@ from .context import OptimizerCtx
 from .distributed import Reduction
 from .grad_scaler import GradScaler
 from .optim import Adafactor as CpuAdafactor
-from .optim import CpuOptimizer
+from .optim import CpuOptimizer, frozen_copy
 from .optimizer_thread import OptimizerThread
 from .param_copies import ParamCopies
+from .threads import LayerGates, check_not_forked
 from .stats import Stats
+from .torch_private import mark_stepped, step_hooks, tensor_version
 from .transfer import DeviceIO, GradDownload
 
 
@@ -66,24 +82,10 @@ class StepReport:
 
 
 def snapshot(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A shallow twin of ``opt`` sharing its state and parameters but holding a copy of each
-    param group's hyperparameters as they are now (tensors cloned, e.g. a tensor ``lr`` that
-    an LR scheduler changes in place): the optimizer thread steps through it, so a scheduler
-    changing ``opt.param_groups`` meanwhile affects only the next step."""
-    twin = object.__new__(type(opt))
-    twin.__dict__.update(opt.__dict__)
-    twin.param_groups = [
-        {k: (v if k == "params" else tree_map(
-            lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, v))
-         for k, v in g.items()}
-        for g in opt.param_groups]
-    twin.__dict__.pop("_group_index_cache", None)
-    # instance attributes wrapping the live optimizer's methods (an LR scheduler's step
-    # counter, hook_optimizer's waiting zero_grad) would step the live optimizer with the
-    # hyperparameters of later: the twin uses its class's methods
-    twin.__dict__.pop("step", None)
-    twin.__dict__.pop("zero_grad", None)
-    return twin
+    """``opt`` with its hyperparameters as they are now (:func:`roundpipe.optim.frozen_copy`;
+    :meth:`CpuOptimizer.frozen_copy` for ours): the optimizer thread steps through it, so a
+    scheduler changing ``opt.param_groups`` meanwhile affects only the next step."""
+    return opt.frozen_copy() if isinstance(opt, CpuOptimizer) else frozen_copy(opt)
 
 
 # optimizers whose update of an element reads other elements (not for sharded copies)
@@ -106,6 +108,22 @@ class ExactStep:
         self.owned = _owned(opt)
         self.last_stage = last_stage
         self.norms_sq: list[float] = []
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one ``forward_backward`` pass needs from the optimizer side (:meth:`Steps.call`).
+
+    Attributes:
+        scale: the loss scale every microbatch's loss is multiplied by (1.0 without a scaler).
+        want_norms: whether the downloads carry the device's squared norms of the gradients.
+        grad_sink: ``grad_sink(stage, download, io)``, what the pass hands each backward
+            visit's download to (on a worker thread, in descending stage order).
+    """
+
+    scale: float
+    want_norms: bool
+    grad_sink: Callable[[int, Optional[GradDownload], DeviceIO], None]
 
 
 @dataclass
@@ -145,7 +163,6 @@ class Steps:
         self.copies, self.stats = copies, stats
         self.reduction = reduction or Reduction(copies)
         self.thread = OptimizerThread(num_layers, on_error=self.discard)
-        self.gates = self.thread.gates
         self._hooked: "weakref.WeakSet" = weakref.WeakSet()
         self._reaching: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._warned_idle = False                   # a step function that changed nothing
@@ -157,22 +174,16 @@ class Steps:
         self._next_scale: Optional[float] = None    # set by an asynchronous step
         self._verdict: Optional[threading.Event] = None  # of the last background step
 
-    # --- the queue ---------------------------------------------------------------------------------
+    # --- the door ----------------------------------------------------------------------------------
 
     def is_current(self) -> bool:
+        """Whether the calling thread is the optimizer thread (inside a step function)."""
         return self.thread.is_current()
 
-    def pending(self) -> list:
-        return self.thread.pending()
-
-    def idle(self) -> bool:
-        return self.thread.idle()
-
-    def wait(self, futures: Optional[list] = None) -> None:
-        self.thread.wait(futures)
-
-    def raise_error(self) -> None:
-        self.thread.raise_error()
+    def check_not_forked(self, where: str) -> None:
+        """Raises ``RuntimeError`` (naming ``where``) in a ``fork()``-ed child of the process
+        that started the optimizer thread (see :func:`roundpipe.threads.check_not_forked`)."""
+        check_not_forked([self.thread.worker], where)
 
     def synchronize(self) -> None:
         """Waits for the queued work, writes back the model copies an asynchronous step left
@@ -185,7 +196,77 @@ class Steps:
         self.thread.raise_error()
 
     def close(self) -> None:
+        """Ends the optimizer thread once its queued work is done."""
         self.thread.close()
+
+    def begin_pass(self) -> LayerGates:
+        """Before a pass: raises the background error if there was one, picks up model copies
+        changed behind the wrapper's back when no optimizer work is pending, and returns the
+        layer gates the pass's uploads wait on (a layer being written by a step is blocked)."""
+        self.thread.raise_error()
+        if self.thread.idle():
+            self.copies.refresh_from_model()
+        return self.thread.gates
+
+    @contextlib.contextmanager
+    def call(self, opt: Optional[torch.optim.Optimizer], scaler: Optional[GradScaler],
+             clip: Optional[Clip]):
+        """One ``forward_backward`` call's policy, around its pass: yields the :class:`Call`
+        (loss scale, device norms wanted, gradient sink); on leaving, waits for the step that
+        was running when the call began (its error surfaces in this call); if the call raised,
+        waits for the queued work and discards the gradients accumulated since the last step;
+        otherwise, with ``opt`` in exact mode and no stage-by-stage step, steps ``opt`` now (in
+        the background after the backward when it can be stepped layer by layer, else
+        synchronously). Arguments already checked by the caller except as raised here.
+
+        Raises:
+            TypeError: ``opt`` holds none of this wrapper's optimizer copies or a model copy
+                (:meth:`check_reaches`), or ``scaler`` is not a roundpipe.GradScaler.
+            ValueError: the calls of one step use different grad scalers; ``opt`` cannot step
+                sharded optimizer copies; a layer-by-layer ``opt`` holds a parameter of a dtype
+                it cannot step (TypeError), raised before the pass.
+        """
+        if opt is not None:
+            self.check_reaches(opt, "RoundPipe.forward_backward")
+        scale = self._begin_call(scaler, exact=opt is not None)
+        scaling = scaler is not None and scaler.is_enabled()
+        exact = None
+        if opt is not None and clip is None and scale == 1.0 and not scaling:
+            exact = self._begin_exact(opt, self.copies.index.first_trainable_stage())
+        deferred = opt is not None and exact is None
+        want = self._want_norms(scaler, deferred and (clip is not None or scale != 1.0))
+        earlier = self.thread.pending()  # the step before this call, if still running
+        try:
+            yield Call(scale, want, self._grad_sink(exact))
+            self.thread.wait(earlier)  # that step's error surfaces in this call
+            self.thread.raise_error()
+        except BaseException:
+            self.thread.wait()
+            self.discard()
+            raise
+        if deferred:
+            if self.layerwise(opt):
+                self._step_after_backward(opt, scaler, clip)
+            else:
+                self.step(opt, False, scaler, clip)
+
+    def accumulated_grads(self) -> dict[str, Optional[torch.Tensor]]:
+        """``RoundPipe.accumulated_grads``: waits for pending gradient consumption, raises the
+        background error if there was one, then copies of the accumulated gradients."""
+        self.thread.wait()
+        self.thread.raise_error()
+        return self.copies.accumulated()
+
+    def zero_grad(self) -> None:
+        """``RoundPipe.zero_grad``: waits for pending work (it owns the gradients it was given),
+        discards the accumulated gradients unless called on the optimizer thread (inside an
+        asynchronous step function: only that step's ``.grad`` are cleared), and clears the
+        optimizer copies' ``.grad``."""
+        self.thread.wait()
+        if not self.thread.is_current():
+            self.discard()
+        for o in self.copies.optim:
+            o.grad = None
 
     def discard(self) -> None:
         """The gradients accumulated since the last step are dropped (a failed call, a
@@ -195,7 +276,7 @@ class Steps:
 
     # --- loss scale of a call --------------------------------------------------------------------------
 
-    def begin_call(self, scaler: Optional[GradScaler], exact: bool) -> float:
+    def _begin_call(self, scaler: Optional[GradScaler], exact: bool) -> float:
         """The loss scale of a ``forward_backward`` call: the step's scale, fixed by its first
         call (after an asynchronous step, the scale in force when that step was submitted;
         in exact mode, after waiting for the previous call's verdict).
@@ -224,7 +305,7 @@ class Steps:
             self._scaler, self._scale = scaler, scale if scale is not None else scaler.get_scale()
         return self._scale
 
-    def want_norms(self, scaler: Optional[GradScaler], exact_deferred: bool) -> bool:
+    def _want_norms(self, scaler: Optional[GradScaler], exact_deferred: bool) -> bool:
         """Whether a call's downloads carry device-side squared norms: when its step will need
         a verdict (a loss scaler, exact mode with clipping, or the last step had one: clipping
         is given to the step only) and the norms survive the reduction across ranks."""
@@ -248,27 +329,37 @@ class Steps:
 
     # --- gradients from the pipeline ---------------------------------------------------------------
 
-    def grad_sink(self, exact: Optional[ExactStep]) -> Callable[[int, Optional[GradDownload], DeviceIO], None]:
+    def _grad_sink(self, exact: Optional[ExactStep]) -> Callable[[int, Optional[GradDownload], DeviceIO], None]:
         """The function a pass hands each backward visit's download to (on a worker thread,
         in descending stage order): queues its consumption, and with ``exact`` the step of the
         parameters final at that stage."""
-        copies = self.copies
+        copies, index = self.copies, self.copies.index
+        caller = threading.current_thread()
 
         def sink(stage: int, download: Optional[GradDownload], io: DeviceIO) -> None:
-            final = copies.final_params[stage] if exact is not None else []
+            final = index.final_params[stage] if exact is not None else ()
             if download is None and not final and not self.reduction.stage_always(stage):
                 return
             if final:
-                with copies.lock:
-                    copies.stale.difference_update(final)
-            self.thread.submit(functools.partial(self._consume, stage, download, io, exact, final,
-                                                 exact is not None and stage == exact.last_stage),
-                               copies.layers_of(final))
+                copies.will_write(final)
+            job = functools.partial(self._consume, stage, download, io, exact, final,
+                                    exact is not None and stage == exact.last_stage)
+            if (exact is None and not self.reduction.sharded
+                    and threading.current_thread() is caller
+                    and (download is None or download.event is None) and self.thread.idle()):
+                # nothing queued to wait for and little to overlap with (the download is
+                # complete, the pass runs on this thread, consuming it is keeping or adding
+                # it, without collectives): consumed here, without a hand-off to the thread
+                # and back (measured: about 0.25 ms of a call's fixed cost)
+                self.thread.run_here(job)
+            else:
+                self.thread.submit(job, index.layers_of(final))
 
         return sink
 
     def _consume(self, stage: int, download: Optional[GradDownload], io: DeviceIO,
-                 exact: Optional[ExactStep], final: list[int], last: bool, release) -> None:
+                 exact: Optional[ExactStep], final: tuple[int, ...], last: bool,
+                 release) -> None:
         copies = self.copies
         direct: dict[int, torch.Tensor] = {}
         owned = download is not None and download.owned
@@ -283,11 +374,7 @@ class Steps:
                                             set(final) if exact is not None else set())
             got = None
             if exact is not None and final:
-                grads = {i: direct[i] if i in direct else copies.grads[i] for i in final}
-                for i in final:
-                    copies.grads[i] = None
-                    copies.norms_sq[i] = None
-                grads = self.reduction.exact_ready(final, grads)
+                grads = self.reduction.exact_ready(final, copies.take_final(final, direct))
                 exact.norms_sq.append(self._fused(exact.snapshot, exact.owned, final, grads,
                                                   True, self.reduction.divisor, want_norm=True))
                 self.reduction.written(final)
@@ -310,15 +397,13 @@ class Steps:
         and exact mode call ``opt.step()`` once all gradients are there."""
         if not isinstance(opt, CpuOptimizer):
             return False
-        if (guards.user_hooks(opt._optimizer_step_pre_hooks.values())
-                or opt._optimizer_step_post_hooks
-                or guards.user_hooks(_global_optimizer_pre_hooks.values())
-                or _global_optimizer_post_hooks):
+        pre, post = step_hooks(opt)
+        if guards.user_hooks(pre) or post:
             return False
         ours = {id(p) for p in self.copies.optim}
         return all(id(p) in ours for g in opt.param_groups for p in g["params"])
 
-    def begin_exact(self, opt: torch.optim.Optimizer, last_stage: int) -> Optional[ExactStep]:
+    def _begin_exact(self, opt: torch.optim.Optimizer, last_stage: int) -> Optional[ExactStep]:
         """Exact overlapped mode stepping each stage as it finishes, if ``opt`` can be stepped
         layer by layer, else None (then it is stepped after the backward)."""
         self.check_reaches(opt, "RoundPipe.forward_backward")
@@ -340,7 +425,7 @@ class Steps:
             return
         copies = self.copies
         optim = {id(o) for o in copies.optim}
-        models = {id(m): n for m, o, n in zip(copies.model, copies.optim, copies.names)
+        models = {id(m): n for m, o, n in zip(copies.model, copies.optim, copies.index.names)
                   if m is not o}
         held = [p for g in opt.param_groups for p in g["params"]]
         how = guards.HOW
@@ -379,11 +464,11 @@ class Steps:
         if not self.layerwise(opt):
             return False
         for g in opt.param_groups:
-            opt._check_group(g)
+            opt.check_group(g)
         accepted = {torch.float32, torch.bfloat16} if opt.stochastic_rounding else {torch.float32}
-        if self.copies.optim_dtypes <= accepted:  # the usual case: no loop over the parameters
+        if self.copies.index.optim_dtypes <= accepted:  # the usual case: no loop over parameters
             return True
-        names = {id(o): n for n, o in zip(self.copies.names, self.copies.optim)}
+        names = {id(o): n for n, o in zip(self.copies.index.names, self.copies.optim)}
         for g in opt.param_groups:
             for p in g["params"]:
                 if p.dtype not in accepted:
@@ -396,14 +481,22 @@ class Steps:
         return True
 
     def _plan(self, step_fn: Any, write_back: bool, behind: list[int],
-              scaler: Optional[GradScaler], scale: float, clip: Optional[Clip]) -> _Plan:
+              scaler: Optional[GradScaler], scale: float, clip: Optional[Clip],
+              now: bool = False) -> _Plan:
+        """What a step runs. An optimizer is stepped through a snapshot of its hyperparameters
+        (a scheduler changing them while the step is queued affects the next step only),
+        except layer by layer in a step run ``now`` on the caller's thread: nothing can change
+        them before it ends, so it steps the optimizer itself."""
         twin = None
         if isinstance(step_fn, torch.optim.Optimizer):
             self.check_reaches(step_fn, "RoundPipe.step")
             self.hook_optimizer(step_fn)
-            shot = snapshot(step_fn)
             if self.check_optimizer(step_fn, "RoundPipe.step"):
-                twin = shot
+                if now:
+                    return _Plan(step_fn.step, step_fn, write_back, behind, scaler, scale, clip)
+                twin = shot = snapshot(step_fn)
+            else:
+                shot = snapshot(step_fn)
             fn = lambda: (shot.step(), shot.zero_grad())  # noqa: E731
         else:
             fn = step_fn
@@ -414,43 +507,40 @@ class Steps:
         """``RoundPipe.step`` (arguments already checked)."""
         copies = self.copies
         if is_async:
-            self.raise_error()
+            self.thread.raise_error()
         else:
             self.synchronize()
         scale = self._take_scale(scaler, "RoundPipe.step")
-        if self.idle():
+        if self.thread.idle():
             copies.refresh_from_model()
         if not is_async:
-            plan = self._plan(step_fn, True, [], scaler, scale, clip)
+            plan = self._plan(step_fn, True, [], scaler, scale, clip, now=True)
             return self.thread.run_now(functools.partial(self._step_job, plan), ())
-        shared = [i for i in range(len(copies)) if copies.shared[i]]
-        with copies.lock:
-            behind = sorted(copies.stale)
-            copies.stale = {i for i in range(len(copies)) if not copies.shared[i]}
+        shared = [i for i in range(len(copies)) if copies.index.shared[i]]
+        behind = copies.begin_async_step()
         plan = self._plan(step_fn, False, behind, scaler, scale, clip)
         if scaler is not None and scaler.is_enabled():
             self._next_scale = scaler.get_scale()  # this step's verdict counts one step later
         self._verdict = plan.verdict
         self.thread.submit(functools.partial(self._step_job, plan),
-                           copies.layers_of(behind + shared))
+                           copies.index.layers_of(behind + shared))
         return None
 
-    def step_after_backward(self, opt: torch.optim.Optimizer, scaler: Optional[GradScaler],
-                            clip: Optional[Clip]) -> None:
+    def _step_after_backward(self, opt: torch.optim.Optimizer, scaler: Optional[GradScaler],
+                             clip: Optional[Clip]) -> None:
         """Exact mode with a loss scaler or clipping: the verdict needs every gradient, so the
         step is queued after the backward (in the background; each layer is released to the
         next call as soon as it is written). Counted in ``exact_deferred_calls``."""
         copies = self.copies
         scale = self._take_scale(scaler, "RoundPipe.forward_backward")
-        with copies.lock:
-            copies.stale.clear()  # every model copy is written by this step
+        copies.will_write()  # every model copy is written by this step
         plan = self._plan(opt, True, [], scaler, scale, clip)
         self._verdict = plan.verdict
         self.stats.add("exact_deferred_calls", 1)
         self.thread.submit(functools.partial(self._step_job, plan), range(len(copies.layers)))
 
     def _step_job(self, plan: _Plan, release) -> Any:
-        copies, reduction = self.copies, self.reduction
+        copies, reduction, index = self.copies, self.reduction, self.copies.index
         grads, norms = copies.take_grads()
         if not reduction.device_norms:
             norms = [None] * len(norms)
@@ -458,15 +548,15 @@ class Steps:
             if plan.behind:
                 behind = set(plan.behind)
                 for li in range(len(copies.layers)):
-                    mine = [i for i in copies.own_params[li] if i in behind]
+                    mine = [i for i in index.own_params[li] if i in behind]
                     for i in mine:
                         copies.write_back(i)
                     reduction.written(mine)
-                    if not any(copies.shared[i] for i in copies.layer_params[li]):
+                    if not any(index.shared[i] for i in index.layer_params[li]):
                         release(li)  # else when this step has written it
             verdict = plan.clip is not None or (plan.scaler is not None
                                                  and plan.scaler.is_enabled())
-            layers = reduction.layers_ready(grads, copies.own_params,
+            layers = reduction.layers_ready(grads, index.own_params,
                                             verdict or plan.twin is None)
             if verdict or plan.twin is None:
                 layers = list(layers)  # every gradient global before the verdict / the step
@@ -485,8 +575,8 @@ class Steps:
                 grads = [None] * len(grads)  # the step function may keep them: not reused
             if plan.twin is None:
                 for li in range(len(copies.layers)):
-                    written = [i for i in copies.own_params[li]
-                               if plan.write_back or copies.shared[i]]
+                    written = [i for i in index.own_params[li]
+                               if plan.write_back or index.shared[i]]
                     for i in written:
                         copies.write_back(i)
                     reduction.written(written)
@@ -515,7 +605,7 @@ class Steps:
                 norms[i] = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
         norm = math.sqrt(self.reduction.norm_sq(norms)) / (plan.scale * self.reduction.divisor)
         coef = plan.clip.coefficient(norm) if plan.clip is not None else 1.0
-        skip = plan.scaler._update(not math.isfinite(norm), plan.scale) if scaling else False
+        skip = plan.scaler.apply_verdict(not math.isfinite(norm), plan.scale) if scaling else False
         return _Decision(skip, coef, norm)
 
     def _step_layers(self, plan: _Plan, grads: list, decision: _Decision, layers,
@@ -523,12 +613,12 @@ class Steps:
         """The update layer by layer (as ``layers`` yields them: their gradients global)
         through ``fused_step``; returns the gradient norm (the kernel's when the verdict did
         not need one)."""
-        copies = self.copies
+        copies, index = self.copies, self.copies.index
         owned = _owned(plan.twin)
         want = math.isnan(decision.norm)
         parts: list[float] = []
         for li in layers:
-            todo = copies.own_params[li]
+            todo = index.own_params[li]
             parts.append(self._fused(plan.twin, owned, todo, {i: grads[i] for i in todo},
                                      plan.write_back, plan.scale * self.reduction.divisor,
                                      decision.coef, want))
@@ -536,7 +626,7 @@ class Steps:
                 if grads[i] is not None:
                     copies.pool.give(grads[i])
                     grads[i] = None
-            self.reduction.written([i for i in todo if plan.write_back or copies.shared[i]])
+            self.reduction.written([i for i in todo if plan.write_back or index.shared[i]])
             release(li)
         return total_norm(parts) if want else decision.norm
 
@@ -562,7 +652,7 @@ class Steps:
         # what tells whether the step changed anything: version counters, and one value per
         # tensor for writes through .data (which no version counter sees)
         before = ([] if self._warned_idle else
-                  [(o, o._version, o.detach().reshape(-1)[:1].clone())
+                  [(o, tensor_version(o), o.detach().reshape(-1)[:1].clone())
                    for o, g in zip(copies.optim, grads) if g is not None])
         try:
             with OptimizerCtx(), guards.inside_step():
@@ -570,7 +660,7 @@ class Steps:
         finally:
             for o in copies.optim:
                 o.grad = None
-        if before and all(o._version == v and torch.equal(o.detach().reshape(-1)[:1], first)
+        if before and all(tensor_version(o) == v and torch.equal(o.detach().reshape(-1)[:1], first)
                           for o, v, first in before):
             self._warned_idle = True
             warnings.warn(
@@ -590,12 +680,12 @@ class Steps:
         copies are then rewritten from their optimizer copies; a parameter with one copy is
         its model copy). Returns the squared norm of the unscaled gradients stepped (0.0
         unless ``want_norm``)."""
-        copies = self.copies
+        copies, shared = self.copies, self.copies.index.shared
         step = [i for i in indices if grads.get(i) is not None and id(copies.optim[i]) in owned]
         norm_sq = 0.0
         start = time.perf_counter()
         for out in (True, False):  # with a separate model copy to write, then without
-            part = [i for i in step if (write_back and not copies.shared[i]) == out]
+            part = [i for i in step if (write_back and not shared[i]) == out]
             if part:
                 result = twin.fused_step([copies.optim[i] for i in part], [grads[i] for i in part],
                                          [copies.model_rows(i) for i in part] if out else None,
@@ -605,7 +695,7 @@ class Steps:
             self.stats.add("optimizer_s", time.perf_counter() - start)
         stepped = set(step)
         for i in indices:
-            if i in stepped and (write_back or copies.shared[i]):
+            if i in stepped and (write_back or shared[i]):
                 copies.mark_synced(i)
             elif write_back:
                 copies.write_back(i)
@@ -616,7 +706,7 @@ class Steps:
         thread than the optimizer thread, first wait for pending updates. Also marks it as
         stepped for LR schedulers (what their wrapper of ``opt.step`` records), since the
         wrapper steps it through a snapshot or ``fused_step``."""
-        opt._opt_called = True  # read by torch.optim.lr_scheduler's order check
+        mark_stepped(opt)  # read by torch.optim.lr_scheduler's order check
         if opt in self._hooked:
             return
         self._hooked.add(opt)
@@ -625,7 +715,7 @@ class Steps:
         def wait(*_):
             steps = me()
             if steps is not None:
-                steps.wait()
+                steps.thread.wait()
 
         wait.roundpipe_wait = True  # not a user hook (see layerwise)
         opt.register_step_pre_hook(wait)

@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from . import guards
 from . import microbatch as mb
@@ -41,6 +40,7 @@ from .plan import (check_layers, device_index, make_stages, parse_devices, share
                    split_layers)
 from .stats import Stats
 from .steps import StepReport, Steps
+from .torch_private import tree_map
 from .transfer import CpuIO
 from .transfer.cuda import PIN_MODES
 
@@ -217,7 +217,7 @@ class RoundPipe(nn.Module):
 
     def _build_layout(self) -> None:
         """The pipeline's maps over the layers (:func:`roundpipe.plan.shared_modules`)."""
-        maps = shared_modules(self._layers, self._stages, self._copies.index)
+        maps = shared_modules(self._layers, self._stages, self._copies.index.position)
         self._locks, self._buffer_deps = maps.locks, maps.buffer_deps
         self._stage_bytes, self._grad_numels = maps.stage_bytes, maps.grad_numels
 
@@ -245,9 +245,9 @@ class RoundPipe(nn.Module):
         self._call_lock = threading.Lock()
         self._call_owner: Optional[threading.Thread] = None
         self._call_name = ""
-        threads = self._workers + [self._steps.thread.worker]
+        closers = [w.close for w in self._workers] + [self._steps.close]
         # threads end with the wrapper (at exit, threads._stop_workers ends them)
-        weakref.finalize(self, lambda: [w.close() for w in threads]).atexit = False
+        weakref.finalize(self, lambda: [close() for close in closers]).atexit = False
 
     _RUNTIME = ("_stats", "_workers", "_steps", "_ios", "_call_lock", "_call_owner", "_call_name",
                 "_locks", "_comm", "process_group")
@@ -270,11 +270,37 @@ class RoundPipe(nn.Module):
 
     def optim_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(name, optimizer copy)`` of every trainable parameter, with the model's names."""
-        return iter(zip(self._copies.names, self._copies.optim))
+        return iter(zip(self._copies.index.names, self._copies.optim))
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
         """The optimizer copies (``optim_dtype``, on the host) of every trainable parameter."""
         return iter(self._copies.optim)
+
+    def optim_shard_rows(self) -> dict[str, Optional[tuple[int, int]]]:
+        """Which rows of each trainable parameter this rank's optimizer copy holds, under the
+        names of :meth:`optim_named_parameters`: ``(start, stop)`` along dim 0 with
+        ``shard_optimizer=True`` (the rows ``[start, stop)`` of the whole parameter; a rank may
+        hold none, ``start == stop``), None where the optimizer copy is the whole parameter
+        (always without ``shard_optimizer``; also for parameters too small to shard)."""
+        return dict(zip(self._copies.index.names, self._copies.index.rows))
+
+    @property
+    def host_process_group(self) -> Any:
+        """The ``gloo`` process group over the ranks of ``process_group`` that RoundPipe's own
+        host-side collectives use (gradients, rows of sharded copies; a checkpoint's
+        ``DeviceMesh``), or None without a ``process_group`` (and in a copy made by
+        ``copy.deepcopy`` or unpickling, which is one process)."""
+        return None if self._comm is None else self._comm.group
+
+    def sync_model_copies(self) -> None:
+        """Every model copy takes the value of its optimizer copy (rounded to the model dtype;
+        with ``shard_optimizer=True`` each rank writes its rows and they are all-gathered, a
+        collective every rank of the group must call): for optimizer copies changed in place
+        outside a step, e.g. loaded from a checkpoint (:func:`roundpipe.load_checkpoint`).
+        Waits for pending optimizer work first (:meth:`synchronize`)."""
+        with self._call("sync_model_copies"):
+            self._steps.synchronize()
+            self._copies.write_back_all()
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -329,7 +355,8 @@ class RoundPipe(nn.Module):
     @contextlib.contextmanager
     def _call(self, name: str):
         """One call at a time (see the class docstring)."""
-        check_not_forked(self._workers + [self._steps.thread.worker], f"RoundPipe.{name}()")
+        check_not_forked(self._workers, f"RoundPipe.{name}()")
+        self._steps.check_not_forked(f"RoundPipe.{name}()")
         me = threading.current_thread()
         if (self._call_owner is me or self._steps.is_current()
                 or any(w.is_current() for w in self._workers)):
@@ -379,10 +406,8 @@ class RoundPipe(nn.Module):
     def _run_pass(self, spec: PassSpec, grad_sink=None) -> Pass:
         """Runs a pass: on this thread with one device in use, or when called from inside
         another RoundPipe's layer; on the device workers otherwise."""
-        self._steps.raise_error()
-        if self._steps.idle():
-            self._copies.refresh_from_model()
-        run = Pass(spec, self._layout(), self._ios, self._steps.gates, self._stats, grad_sink)
+        gates = self._steps.begin_pass()
+        run = Pass(spec, self._layout(), self._ios, gates, self._stats, grad_sink)
         used = {device_index(v.stage, len(self.devices)) for v in run.order}
         start = time.perf_counter()
         try:
@@ -530,44 +555,26 @@ class RoundPipe(nn.Module):
                             f"Optimizer, got {type(optimizer).__name__}")
         clip = Clip.make(max_grad_norm, norm_type, error_if_nonfinite, "RoundPipe.forward_backward")
         mb.check_loss_reduction(loss_reduction, "RoundPipe.forward_backward")
-        if optimizer is not None:
-            self._steps.check_reaches(optimizer, "RoundPipe.forward_backward")
         if clip is not None and optimizer is None:
             raise TypeError("RoundPipe.forward_backward: max_grad_norm clips a step: pass it to "
                             "step(), or give optimizer= (exact overlapped mode)")
         with self._call("forward_backward"):
             mbs = self._microbatches(input_args, input_kwargs, label, num_microbatch)
             shares = mb.loss_shares(mbs, loss_reduction)
-            scale = self._steps.begin_call(grad_scaler, exact=optimizer is not None)
-            exact = None
-            if optimizer is not None and clip is None and scale == 1.0 and not (
-                    grad_scaler is not None and grad_scaler.is_enabled()):
-                exact = self._steps.begin_exact(optimizer, self._copies.first_trainable_stage())
-            deferred = optimizer is not None and exact is None
-            spec = PassSpec(mbs, True, loss_fn, label is not None, return_outputs,
-                            draw_call_seed(), AutocastState.capture(), loss_scale=scale,
-                            want_norms=self._steps.want_norms(grad_scaler, deferred and (
-                                clip is not None or scale != 1.0)), loss_weights=shares)
-            earlier = self._steps.pending()  # the step before this call, if still running
-            try:
-                run = self._run_pass(spec, self._steps.grad_sink(exact))
-                self._steps.wait(earlier)     # that step's error surfaces in this call
-                self._steps.raise_error()
-                total = torch.zeros((), dtype=torch.float64)
-                for t, _ in run.losses:
-                    total += t
-                outputs = [tree for tree, _ in run.outputs] if return_outputs else []
-            except BaseException:
-                self._steps.wait()
-                self._steps.discard()
-                raise
-            finally:
-                spec.store.clear()
-            if optimizer is not None and exact is None:
-                if self._steps.layerwise(optimizer):
-                    self._steps.step_after_backward(optimizer, grad_scaler, clip)
-                else:
-                    self._steps.step(optimizer, False, grad_scaler, clip)
+            # the optimizer side's policy for this call (loss scale, exact mode, discarding
+            # the gradients if it fails, the step after the backward): steps.py
+            with self._steps.call(optimizer, grad_scaler, clip) as call:
+                spec = PassSpec(mbs, True, loss_fn, label is not None, return_outputs,
+                                draw_call_seed(), AutocastState.capture(), loss_scale=call.scale,
+                                want_norms=call.want_norms, loss_weights=shares)
+                try:
+                    run = self._run_pass(spec, call.grad_sink)
+                    total = torch.zeros((), dtype=torch.float64)
+                    for t, _ in run.losses:
+                        total += t
+                    outputs = [tree for tree, _ in run.outputs] if return_outputs else []
+                finally:
+                    spec.store.clear()
         loss = guards.finished(total.to(torch.float32))
         return (loss, mb.merge_outputs(outputs)) if return_outputs else loss
 
@@ -696,21 +703,14 @@ class RoundPipe(nn.Module):
         first and raises the background error if there was one (see :meth:`step`).
         """
         with self._call("accumulated_grads"):
-            self._steps.wait()
-            self._steps.raise_error()
-            return {n: None if g is None else g.clone()
-                    for n, g in zip(self._copies.names, self._copies.grads)}
+            return self._steps.accumulated_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discards the gradients accumulated since the last :meth:`step` (waits for pending
         optimizer work first: that work owns the gradients it was given). Called inside an
         asynchronous ``step_fn``, it clears only that step's gradients (``.grad`` of the
         optimizer copies), not those the next pass is accumulating."""
-        self._steps.wait()
-        if not self._steps.is_current():
-            self._steps.discard()
-        for o in self._copies.optim:
-            o.grad = None
+        self._steps.zero_grad()
 
     # --- measurements ------------------------------------------------------------------------------
 

@@ -285,7 +285,7 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
                                            default) or 1)
         _check_device_kv_fits(model, rows, hint)
     with model._call("generate"):
-        model._steps.synchronize()
+        model.synchronize()
         cache = given
         if cache is None and use_cache is not False:
             cache = new_cache(model, kv_cache, num_microbatch or 1, chunk, hint)

@@ -37,6 +37,7 @@ from transformers import Trainer
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..grad_scaler import GradScaler
+from ..torch_private import init_hook_registries
 from ..wrapper import RoundPipe
 from .loss import count_items
 
@@ -92,12 +93,7 @@ class StepProxy(torch.optim.Optimizer):
         self.defaults = real.defaults
         self.param_groups = real.param_groups
         self.state = real.state
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        init_hook_registries(self)
 
     def step(self, closure=None):
         """RoundPipe's step of the accumulated gradients (clipping and loss scale included)."""

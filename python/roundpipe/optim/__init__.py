@@ -9,7 +9,7 @@ the kernels use (also settable with the environment variable ``ROUNDPIPE_ISA``);
 ``num_threads()`` / ``set_num_threads()`` control the worker threads of a step.
 """
 
-from ._base import CpuOptimizer, StepStats
+from ._base import CpuOptimizer, StepStats, frozen_copy
 from .._C import active_isa, num_threads, set_isa, set_num_threads, supported_isas
 
 # Reads ROUNDPIPE_ISA now, so that an unknown or unsupported value fails at import (ValueError
@@ -43,6 +43,7 @@ __all__ = [
     "SGD",
     "CpuOptimizer",
     "StepStats",
+    "frozen_copy",
     "active_isa",
     "num_threads",
     "set_isa",

@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from .. import _C
 from . import compact
+from ..torch_private import mark_stepped, tree_map
 
 
 def scalar(x: Any) -> float:
@@ -100,6 +101,27 @@ class StepStats(NamedTuple):
 
     found_inf: bool
     grad_norm_sq: Optional[float]
+
+
+def frozen_copy(opt: Optimizer) -> Optimizer:
+    """A shallow twin of any ``torch.optim.Optimizer`` ``opt``: the same class, sharing its
+    state, parameters and everything else, but with a copy of each param group's
+    hyperparameters as they are now (tensors cloned, e.g. a tensor ``lr`` that an LR
+    scheduler changes in place). Stepping the twin updates ``opt``'s parameters and state with
+    those hyperparameters, whatever is done to ``opt.param_groups`` meanwhile (RoundPipe's
+    asynchronous and exact steps). Instance attributes wrapping ``opt``'s own ``step`` or
+    ``zero_grad`` (an LR scheduler's step counter, RoundPipe's waiting ``zero_grad``) are not
+    copied: the twin uses its class's methods."""
+    twin = object.__new__(type(opt))
+    twin.__dict__.update(opt.__dict__)
+    twin.param_groups = [
+        {k: (v if k == "params" else tree_map(
+            lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, v))
+         for k, v in g.items()}
+        for g in opt.param_groups]
+    twin.__dict__.pop("step", None)
+    twin.__dict__.pop("zero_grad", None)
+    return twin
 
 
 class CpuOptimizer(Optimizer):
@@ -205,7 +227,7 @@ class CpuOptimizer(Optimizer):
                     stacklevel=3,
                 )
                 defaults[flag] = None
-        self._check_group(defaults)
+        self.check_group(defaults)
         super().__init__(params, defaults)
 
     @property
@@ -244,9 +266,43 @@ class CpuOptimizer(Optimizer):
         """The seed of the stochastic rounding bits."""
         return self._memory.seed
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        """Refuses what a group may not ask for, before anything is stepped: capturable or
-        differentiable (and what a subclass adds)."""
+    def frozen_copy(self) -> "CpuOptimizer":
+        """This optimizer with its hyperparameters as they are now (:func:`frozen_copy`): the
+        twin shares the parameters, the state and the rounding memory, and ``step`` /
+        ``fused_step`` on it update them with the hyperparameters of the moment it was made."""
+        twin = frozen_copy(self)
+        twin.__dict__.pop("_group_index_cache", None)  # the twin's own groups
+        return twin
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """The names of this algorithm's per-element state tensors (shaped like their
+        parameter; e.g. ``("exp_avg", "exp_avg_sq")`` for Adam), in the kernel's order."""
+        return self._state_keys
+
+    @property
+    def rounding_calls(self) -> int:
+        """This optimizer's count of kernel calls that drew stochastic rounding bits (what an
+        algorithm without a step count, SGD, derives its bits from; see :meth:`state_dict`).
+        Settable (an int >= 0) to resume a run saved elsewhere, as a checkpoint does."""
+        return self._memory.calls
+
+    @rounding_calls.setter
+    def rounding_calls(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"roundpipe.optim.{type(self).__name__}: rounding_calls must be "
+                             f"an int >= 0, got {n!r}")
+        self._memory.calls = n
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Refuses what a param group may not ask for, before anything is stepped: capturable
+        or differentiable (and what a subclass adds); called by ``step``, ``fused_step``,
+        ``add_param_group`` and by RoundPipe before a step it runs layer by layer, so that a
+        step never fails halfway.
+
+        Raises:
+            ValueError: naming the option.
+        """
         for flag in ("capturable", "differentiable"):
             if group.get(flag):
                 raise ValueError(
@@ -278,18 +334,22 @@ class CpuOptimizer(Optimizer):
         if state_dtype is not torch.float32:
             raise ValueError(f"roundpipe.optim.{type(self).__name__}.state_dict: state_dtype "
                              f"must be None or torch.float32, got {state_dtype!r}")
-        sd["state"] = {pid: self._state_as_float32(st) for pid, st in sd["state"].items()}
+        sd["state"] = {pid: self.state_as_float32(st) for pid, st in sd["state"].items()}
         return sd
 
-    def _state_as_float32(self, p_state: dict) -> dict:
-        """A copy of one parameter's state with its per-element state as float32 tensors and
-        no ``_absmax`` entries (torch.optim's layout; :func:`compact.as_float32`)."""
+    def state_as_float32(self, p_state: dict) -> dict:
+        """A copy of one parameter's state (``opt.state[p]``, in any of the forms this
+        optimizer keeps) with its per-element state (:attr:`state_keys`) as new float32 tensors
+        and no ``<key>_absmax`` entries: torch.optim's layout (:func:`compact.as_float32`; int8
+        codes decoded through their block maxima, bfloat16 widened exactly). Nothing changes."""
         return compact.as_float32(p_state, self._state_keys, self._int8_signed)
 
-    def _store_state(self, p: torch.Tensor, p_state: dict, values: dict) -> None:
-        """Each per-element state entry of ``values`` (any form: float32 or another float
-        dtype, bfloat16, int8 codes with their ``_absmax``) into ``p_state``, converted to this
-        optimizer's format for ``p`` (:func:`compact.store`)."""
+    def store_state(self, p: torch.Tensor, p_state: dict, values: dict) -> None:
+        """Writes each per-element state entry of ``values`` (:attr:`state_keys`, in any form:
+        float32 or another float dtype, bfloat16, int8 codes with their ``<key>_absmax``) into
+        ``p_state`` (the state dict of parameter ``p``, e.g. ``opt.state[p]``), converted to
+        this optimizer's format for ``p`` (``state_dtype``; :func:`compact.store`). Entries of
+        ``values`` that are not per-element state are left to the caller."""
         for key in self._state_keys:
             if key in values:
                 compact.store(self._memory, p, p_state, key, values, self._int8_signed)
@@ -346,10 +406,10 @@ class CpuOptimizer(Optimizer):
         super().load_state_dict(light)  # ends with __setstate__, which converts 0-dim state
         for saved, values in held.items():
             p = by_id[saved]
-            self._store_state(p, self.state[p], values)
+            self.store_state(p, self.state[p], values)
         for p, st in self.state.items():  # state kept as loaded, in this optimizer's format
             if torch.is_tensor(p):
-                self._store_state(p, st, st)
+                self.store_state(p, st, st)
         self._memory.calls = calls
 
     def _scalar_state_to_tensors(self) -> None:
@@ -566,7 +626,7 @@ class CpuOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.add_param_group``; ``capturable``/``differentiable``
         True is a ``ValueError`` here too, before the group is added."""
-        self._check_group(param_group)
+        self.check_group(param_group)
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -642,7 +702,7 @@ class CpuOptimizer(Optimizer):
             seen.add(id(p))
             by_group.setdefault(gi, []).append(i)
         for gi in by_group:  # before any group steps
-            self._check_group(self.param_groups[gi])
+            self.check_group(self.param_groups[gi])
         param_dtypes = (torch.float32, torch.bfloat16) if self.stochastic_rounding else (torch.float32,)
         for i, (p, g) in enumerate(zip(params, grads)):
             if p.dtype not in param_dtypes or p.device.type != "cpu" or not p.is_contiguous():
@@ -669,11 +729,11 @@ class CpuOptimizer(Optimizer):
         io.grad_scale = scale
         io.grad_clip = float(clip_factor)
         io.want_grad_norm = bool(grad_norm)
-        self._opt_called = True  # an optimizer step for torch's LR schedulers (no warning)
+        mark_stepped(self)  # an optimizer step for torch's LR schedulers (no warning)
         found_inf, norm_sq = False, 0.0
         for gi, positions in sorted(by_group.items()):
             group = self.param_groups[gi]
-            self._check_group(group)
+            self.check_group(group)
             try:
                 self._step_tensors(group, [params[i] for i in positions],
                                    [grads[i] for i in positions],
@@ -711,7 +771,7 @@ class CpuOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
-            self._check_group(group)
+            self.check_group(group)
             try:
                 self._step_group(group)
             except (TypeError, ValueError) as e:

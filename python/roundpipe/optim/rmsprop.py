@@ -88,11 +88,11 @@ class RMSprop(CpuOptimizer):
         super().__init__(params, defaults, state_dtype=state_dtype,
                          stochastic_rounding=stochastic_rounding, seed=seed)
 
-    def _check_group(self, group):
+    def check_group(self, group):
         """Also refuses ``centered=True`` with compact state: the centered variance
         ``square_avg - grad_avg**2`` cancels where the gradient barely varies, and the
         rounding of compact state makes it negative there (a NaN square root)."""
-        super()._check_group(group)
+        super().check_group(group)
         if group.get("centered") and self.state_dtype is not torch.float32:
             raise ValueError(f"roundpipe.optim.RMSprop: centered=True needs float32 state, got "
                              f"state_dtype={self.state_dtype!r}: the rounding of compact state "

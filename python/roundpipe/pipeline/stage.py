@@ -23,9 +23,9 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..plan import Stage
+from ..torch_private import tree_flatten, tree_unflatten
 from ..transfer import DeviceIO, GradDownload, StageWeights, io_scope
 from .execute import run_layers
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-from torch.utils._pytree import tree_map
 
 from ..threads import Permits
 from ..stats import Stats
+from ..torch_private import tensor_version, tree_map
 
 
 class TensorRef(NamedTuple):
@@ -201,7 +201,7 @@ class DeviceIO:
                     weights.nbytes += size
                     if ref.is_buffer:
                         self.stats.moved("h2d", "buffer", size)
-                        weights.buffers.append((ref.host, t, t._version, ref.owner))
+                        weights.buffers.append((ref.host, t, tensor_version(t), ref.owner))
                     else:
                         self.stats.moved("h2d", "weight", size)
                         if with_grad and ref.index is not None and ref.host.requires_grad:
@@ -305,7 +305,7 @@ class DeviceIO:
         copied. A module's buffers go back together because some in-place updates do not
         move version counters (BatchNorm's running statistics; its ``num_batches_tracked``,
         updated with them, does)."""
-        moved = {owner for _, dev, version, owner in weights.buffers if dev._version != version}
+        moved = {owner for _, dev, version, owner in weights.buffers if tensor_version(dev) != version}
         changed = [(host, dev) for host, dev, _, owner in weights.buffers if owner in moved]
         if changed:
             for host, dev in changed:

@@ -45,6 +45,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from ..torch_private import module_buffers
 from .base import DeviceIO, GradDownload, nbytes
 
 ALIGN = 512
@@ -124,7 +125,7 @@ def _unique_tensors(model: nn.Module) -> tuple[list[nn.Parameter], dict[int, lis
             params.append(p)
     buffers: dict[int, list] = {}
     for module in model.modules():
-        for name, b in module._buffers.items():
+        for name, b in module_buffers(module).items():
             if b is not None:
                 buffers.setdefault(id(b), []).append((module, name))
     return params, buffers
@@ -141,7 +142,8 @@ def pin_host_model(model: nn.Module, mode: str, device: torch.device) -> tuple[s
     if mode == "off":
         return "off", 0
     params, buffers = _unique_tensors(model)
-    tensors = [p.data for p in params] + [h[0][0]._buffers[h[0][1]] for h in buffers.values()]
+    tensors = [p.data for p in params] + [module_buffers(h[0][0])[h[0][1]]
+                                          for h in buffers.values()]
     todo = [t for t in tensors if t.numel() and not t.is_pinned()]
     try:
         if mode in ("auto", "alloc"):
@@ -160,11 +162,11 @@ def pin_host_model(model: nn.Module, mode: str, device: torch.device) -> tuple[s
                     if key in views:
                         p.data = views[key]
                 for holders in buffers.values():
-                    b = holders[0][0]._buffers[holders[0][1]]
+                    b = module_buffers(holders[0][0])[holders[0][1]]
                     key = (b.data_ptr(), b.dtype, b.shape)
                     if key in views:
                         for module, name in holders:
-                            module._buffers[name] = views[key]
+                            module_buffers(module)[name] = views[key]
             _keep_alive(model, arena)
             return "alloc", arena.size
         ranges = _page_ranges(todo)

@@ -1,0 +1,104 @@
+"""Every part of torch's private API RoundPipe uses, in one place: what a new torch release
+may change without notice, so an upgrade is checked here (and by the tests of the callers
+named below) rather than all over the package.
+
+Checked against torch 2.13.0 (the version ``requirements-dev.txt`` pins); each one exists
+unchanged since torch 2.6, the oldest version ``pyproject.toml`` accepts.
+
+- ``torch.utils._pytree`` (:func:`tree_map`, :func:`tree_flatten`, :func:`tree_unflatten`):
+  nested inputs and outputs (microbatch splitting, device transfers, stage outputs). Public
+  in spirit (``torch.export`` documents its trees) but not yet under a public name.
+  :func:`tree_map` walks plain tuples, lists and dicts itself (the trees of every call).
+- An optimizer's step hook registries ``_optimizer_step_pre_hooks`` /
+  ``_optimizer_step_post_hooks`` and the global ones
+  ``torch.optim.optimizer._global_optimizer_pre_hooks`` / ``_global_optimizer_post_hooks``
+  (:func:`step_hooks`): an optimizer with user hooks is stepped whole, since the fused entry
+  point runs none. An object standing in for an optimizer needs the instance registries
+  (:func:`init_hook_registries`).
+- ``Optimizer._opt_called`` (:func:`mark_stepped`): what ``torch.optim.lr_scheduler`` reads
+  to warn about ``scheduler.step()`` before ``optimizer.step()``; RoundPipe steps optimizers
+  through a snapshot or the fused entry point, so it sets the flag itself.
+- ``Tensor._version`` (:func:`tensor_version`): in-place writes to a tensor, to notice a
+  model copy or buffer changed behind the wrapper's back.
+- ``Tensor._base`` (:func:`tensor_base`): the tensor a view was taken from.
+- ``Module._buffers`` (:func:`module_buffers`): a module's own buffers including the ones
+  registered as None, and the dict ``functional_call`` swaps them in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.optim import optimizer as _optimizer
+from torch.utils import _pytree
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["tree_map", "tree_flatten", "tree_unflatten", "step_hooks", "init_hook_registries",
+           "mark_stepped", "tensor_version", "tensor_base", "module_buffers"]
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``torch.utils._pytree.tree_map(fn, tree)``: ``fn`` applied to every leaf, the
+    containers rebuilt. Plain ``tuple``, ``list`` and ``dict`` nodes and tensor leaves are
+    walked here as pytree walks them (a dict keeps its key order), without its per-node
+    bookkeeping (this runs several times per training call); anything else (None, which
+    torch versions treat differently, other leaves and containers) is handed to pytree."""
+    kind = type(tree)
+    if kind is tuple:
+        return tuple([tree_map(fn, x) for x in tree])
+    if kind is list:
+        return [tree_map(fn, x) for x in tree]
+    if kind is dict:
+        return {k: tree_map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor) and kind not in _pytree.SUPPORTED_NODES:
+        return fn(tree)
+    return _pytree.tree_map(fn, tree)
+
+
+_HOOK_REGISTRIES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                    "_optimizer_load_state_dict_pre_hooks",
+                    "_optimizer_load_state_dict_post_hooks")
+
+
+def step_hooks(opt: torch.optim.Optimizer) -> tuple[list[Callable], list[Callable]]:
+    """The step hooks that run around ``opt.step()``: ``(pre, post)``, each ``opt``'s own
+    (``register_step_pre_hook`` / ``register_step_post_hook``) followed by the global ones
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``)."""
+    pre = list(opt._optimizer_step_pre_hooks.values())
+    pre += _optimizer._global_optimizer_pre_hooks.values()
+    post = list(opt._optimizer_step_post_hooks.values())
+    post += _optimizer._global_optimizer_post_hooks.values()
+    return pre, post
+
+
+def init_hook_registries(obj: Any) -> None:
+    """Gives ``obj`` (an object standing in for an optimizer without calling
+    ``Optimizer.__init__``) the empty hook registries that ``Optimizer``'s methods and
+    ``torch.optim.lr_scheduler`` read."""
+    for name in _HOOK_REGISTRIES:
+        setattr(obj, name, {})
+
+
+def mark_stepped(opt: torch.optim.Optimizer) -> None:
+    """Records that ``opt`` was stepped, as the wrapper ``torch.optim.lr_scheduler`` puts
+    around ``opt.step`` does (its warning about calling ``scheduler.step()`` first)."""
+    opt._opt_called = True
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter: increases with every in-place write through autograd-visible
+    views (not through ``.data``)."""
+    return t._version
+
+
+def tensor_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of, or None."""
+    return t._base
+
+
+def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module``'s own buffers by name (not its children's), None entries included: the
+    dict itself, as ``functional_call`` swaps its values."""
+    return module._buffers
