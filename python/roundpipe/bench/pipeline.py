@@ -374,13 +374,13 @@ def print_table(rows: list[dict], cuda: bool, peak) -> None:
     def ratio(x):
         return "-" if x is None else f"{x:.2f}x"
 
-    header = (f"{'mode':<11}{'tokens/s (min-max)':>26}{'wait weights':>22}{'wait optimizer':>22}"
+    header = (f"{'mode':<16}{'tokens/s (min-max)':>26}{'wait weights':>22}{'wait optimizer':>22}"
               f"{'weights/floor':>15}{'grads/floor':>13}")
     if cuda:
         header += f"{'upload GB/s':>26}{'% of peak':>11}{'reserved GiB':>14}"
     print(header)
     for r in rows:
-        line = (f"{r['mode']:<11}{fig(r, 'tokens_per_s'):>26}{fig(r, 'wait_weights_pct', '%'):>22}"
+        line = (f"{r['mode']:<16}{fig(r, 'tokens_per_s'):>26}{fig(r, 'wait_weights_pct', '%'):>22}"
                 f"{fig(r, 'wait_optimizer_pct', '%'):>22}{ratio(r.get('weights_vs_floor')):>15}"
                 f"{ratio(r.get('grads_vs_floor')):>13}")
         if cuda:
