@@ -10,7 +10,11 @@ weights and for the optimizer, and the bytes moved over their floor:
   call as soon as it is written): how much of exact mode's overlap clipping keeps;
 - ``torch``: the reference, plain PyTorch training of the same model, whole, on the first
   device, in the model dtype, with ``torch.optim.AdamW`` (fused on CUDA); "does not fit" when
-  the device runs out of memory.
+  the device runs out of memory;
+- ``torch+recompute``: the same with RoundPipe's recomputation: every module but the last
+  under ``torch.utils.checkpoint`` (non-reentrant, early stop off, so each recomputes its
+  whole forward in the backward, as a RoundPipe stage does). RoundPipe's modes are also
+  compared with it per round: what the pipeline costs beyond recomputing.
 
 Each mode trains its own model, built and warmed up once; then ``--repeats`` rounds run every
 mode for ``--iters`` iterations in turn (rotating who goes first), and every figure is the
@@ -35,7 +39,7 @@ import json
 import time
 
 import torch
-
+import torch.utils.checkpoint
 from torch import nn
 
 import roundpipe.optim as rpo
@@ -44,7 +48,7 @@ from roundpipe import OptimizerCtx, RoundPipe
 from . import (MIN_REPEATS, Figure, available_cpus, compare, interleave, paired_ratio,
                positive_int, repeats_arg, thread_plan, writable_path)
 
-MODES = ("off", "async", "exact", "exact+clip", "torch")
+MODES = ("off", "async", "exact", "exact+clip", "torch", "torch+recompute")
 
 
 def build_model(layers: int, hidden: int, heads: int, vocab: int, dtype: torch.dtype) -> nn.Sequential:
@@ -189,6 +193,24 @@ class TorchRun(_Contender):
             torch.cuda.synchronize(self.devices[0])
 
 
+class RecomputeRun(TorchRun):
+    """``torch+recompute``: :class:`TorchRun` with every module but the last under
+    ``torch.utils.checkpoint`` (``use_reentrant=False``, early stop off: each module's whole
+    forward runs again in the backward, as RoundPipe recomputes every stage but the last)."""
+
+    def iteration(self, b: torch.Tensor):
+        b = b.to(self.devices[0])
+        x = b[:, :-1]
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            for module in self.net[:-1]:
+                x = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
+            loss = self.loss_fn(self.net[-1](x), b[:, 1:])
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.detach()
+
+
 def _ratio(moved: float, floor: float):
     return moved / floor if floor else None
 
@@ -198,9 +220,9 @@ def measure(args, devices: list[str], dtype: torch.dtype, threads: dict) -> list
     returns one row per mode: medians, min-max ranges and every repeat's values."""
     contenders = {}
     for mode in args.modes:
-        cls = TorchRun if mode == "torch" else RoundPipeRun
+        cls = {"torch": TorchRun, "torch+recompute": RecomputeRun}.get(mode, RoundPipeRun)
         contenders[mode] = cls(mode, args, devices, dtype,
-                               threads["torch_reference"] if mode == "torch"
+                               threads["torch_reference"] if mode.startswith("torch")
                                else threads["torch_per_worker"])
     runnable = {m: c.run for m, c in contenders.items() if c.note is None}
     results = interleave(runnable, args.repeats)
@@ -335,7 +357,7 @@ def main(argv=None) -> None:
 
 def describe_threads(t: dict, rows: list[dict]) -> str:
     seen = {r["mode"]: r["torch_threads_seen_in_layers"] for r in rows}
-    ours = sorted({n for m, s in seen.items() if m != "torch" for n in s})
+    ours = sorted({n for m, s in seen.items() if not m.startswith("torch") for n in s})
     return (f"threads: {t['device_workers']} RoundPipe device worker(s) with "
             f"{t['torch_per_worker']} torch intra-op thread(s) each (seen in the layers: "
             f"{ours or '-'}); the torch reference {t['torch_reference']} (seen: "
@@ -352,13 +374,13 @@ def print_table(rows: list[dict], cuda: bool, peak) -> None:
     def ratio(x):
         return "-" if x is None else f"{x:.2f}x"
 
-    header = (f"{'mode':<11}{'tokens/s (min-max)':>26}{'wait weights':>22}{'wait optimizer':>22}"
+    header = (f"{'mode':<16}{'tokens/s (min-max)':>26}{'wait weights':>22}{'wait optimizer':>22}"
               f"{'weights/floor':>15}{'grads/floor':>13}")
     if cuda:
         header += f"{'upload GB/s':>26}{'% of peak':>11}{'reserved GiB':>14}"
     print(header)
     for r in rows:
-        line = (f"{r['mode']:<11}{fig(r, 'tokens_per_s'):>26}{fig(r, 'wait_weights_pct', '%'):>22}"
+        line = (f"{r['mode']:<16}{fig(r, 'tokens_per_s'):>26}{fig(r, 'wait_weights_pct', '%'):>22}"
                 f"{fig(r, 'wait_optimizer_pct', '%'):>22}{ratio(r.get('weights_vs_floor')):>15}"
                 f"{ratio(r.get('grads_vs_floor')):>13}")
         if cuda:
@@ -370,13 +392,15 @@ def print_table(rows: list[dict], cuda: bool, peak) -> None:
         if "note" in r:
             line += f"  ({r['note']})"
         print(line)
-    off = next((r for r in rows if r["mode"] == "off" and r["tokens_per_s"]), None)
-    for r in rows:
-        if off and r is not off and r["tokens_per_s"] is not None:
-            tps = [x["tokens_per_s"] for x in r["repeats"]]
-            print(f"{r['mode']}: " + compare(paired_ratio(tps, [x["tokens_per_s"] for x in
-                                                                off["repeats"]]),
-                                             "the tokens/s of overlap off"))
+    for ref, what in (("off", "the tokens/s of overlap off"),
+                      ("torch+recompute", "the tokens/s of torch with the same recomputation")):
+        base = next((r for r in rows if r["mode"] == ref and r["tokens_per_s"]), None)
+        for r in rows:
+            if base and r is not base and r["tokens_per_s"] is not None \
+                    and not (ref != "off" and r["mode"].startswith("torch")):
+                tps = [x["tokens_per_s"] for x in r["repeats"]]
+                print(f"{r['mode']}: " + compare(paired_ratio(tps, [x["tokens_per_s"] for x in
+                                                                    base["repeats"]]), what))
     for r in rows:
         if r["tokens_per_s"] is not None:
             lo, hi = r["tokens_per_s_range"]

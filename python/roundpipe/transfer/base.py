@@ -186,7 +186,10 @@ class DeviceIO:
     def upload(self, layers: list[list[TensorRef]], with_grad: bool) -> tuple[StageWeights, Any]:
         """A stage's weights on the device (each host tensor copied once); with ``with_grad``,
         copies of trainable parameters (``index`` set and the host parameter still
-        ``requires_grad``) require grad. Returns the weights and the event of the copies."""
+        ``requires_grad``) require grad and collect it; without, copies of parameters whose
+        host parameter requires grad require grad too, as the model's own parameters do (a
+        forward visit runs under ``no_grad``, so nothing collects a gradient), because torch's
+        kernels choose by it. Returns the weights and the event of the copies."""
         self._begin_upload()
         copies: dict[int, torch.Tensor] = {}
         weights = StageWeights([])
@@ -204,9 +207,18 @@ class DeviceIO:
                         weights.buffers.append((ref.host, t, tensor_version(t), ref.owner))
                     else:
                         self.stats.moved("h2d", "weight", size)
-                        if with_grad and ref.index is not None and ref.host.requires_grad:
+                        if with_grad:
+                            if ref.index is not None and ref.host.requires_grad:
+                                t.requires_grad_(True)
+                                weights.trainable.append((ref.index, t))
+                        elif ref.host.requires_grad:
+                            # as in the user's model (no graph is built: forward visits run
+                            # under no_grad). torch.matmul decides on it: a linear on a
+                            # non-contiguous 3-d input (batch_first attention's in_proj) with
+                            # a weight that does not require grad runs as a bmm of tiny
+                            # matrices, several times slower and rounding differently from
+                            # the single GEMM plain PyTorch and our recomputation run.
                             t.requires_grad_(True)
-                            weights.trainable.append((ref.index, t))
                 named[ref.name] = t
             weights.layers.append(named)
         return weights, self._end_upload(weights.nbytes)
