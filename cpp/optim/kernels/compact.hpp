@@ -61,6 +61,31 @@ inline std::uint64_t step_seed(std::uint64_t seed, double step) {
   return splitmix64(seed ^ splitmix64(static_cast<std::uint64_t>(step)));
 }
 
+// One array of a slice of the staged pass (cpp/optim/parallel.hpp) as it is stored, for a kernel
+// that converts a vector at a time inside its own loop (compact_slice below) instead of in
+// separate passes before and after it. An array is absent when both pointers are null.
+struct CompactArray {
+  StateFormat format = StateFormat::float32;
+  // float32: the array's elements, updated in place. bfloat16: null, or where the stored values
+  // are kept as float32 (a parameter the model copy is written from). int8: a float32 buffer of
+  // the slice's length that takes the new values before they are quantised.
+  float* values = nullptr;
+  void* packed = nullptr;         // bfloat16 / int8: the slice's stored elements
+  float scale = 0.0f;             // int8: the block's scale before the step
+  float* absmax = nullptr;        // int8: where the block's new scale goes
+  const QuantMap* map = nullptr;  // int8
+  std::uint32_t key = 0;          // bfloat16: stream_key of the array's rounding stream
+};
+
+// A slice of at most one int8 block (kQuantBlock elements, block-aligned) of one tensor.
+struct CompactSlice {
+  std::size_t n = 0;
+  std::uint32_t first = 0;       // the low 32 bits of the slice's first element index
+  const float* grad = nullptr;   // float32, n elements (staged or the tensor's own)
+  CompactArray param;            // float32 or bfloat16
+  CompactArray state[ParamBuffers::kMaxState];
+};
+
 }  // namespace detail
 }  // namespace roundpipe
 
@@ -158,6 +183,31 @@ inline float block_absmax(const float* x, std::size_t begin, std::size_t end) {
   return m;
 }
 
+// codes[begin, end) of the block x[begin, end) whose absolute maximum (block_absmax) is m.
+inline void quantize_block(const detail::QuantMap& q, const float* x, std::size_t begin,
+                           std::size_t end, float m, std::uint8_t* codes) {
+  if (!(m < std::numeric_limits<float>::infinity())) {  // inf or NaN: 0 * m reads back NaN
+    std::memset(codes + begin, q.is_signed ? 127 : 0, end - begin);
+    return;
+  }
+  // y = (x * pre) * inv, x / m up to rounding: pre = 2^100 keeps 1 / (m * pre) finite for a
+  // tiny m (x * 1 is x: skipped); a block of zeros scales by 0.
+  const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
+  const float inv = m > 0.0f ? 1.0f / (m * pre) : 0.0f;
+  if (pre == 1.0f) {
+    for_range(begin, end, [&](auto tag, std::size_t i) {
+      using V = decltype(tag);
+      V::store_u8_bits(codes + i, quantize_code(q, V::load(x + i) * V::set1(inv)));
+    });
+  } else {
+    for_range(begin, end, [&](auto tag, std::size_t i) {
+      using V = decltype(tag);
+      V::store_u8_bits(codes + i,
+                       quantize_code(q, V::load(x + i) * V::set1(pre) * V::set1(inv)));
+    });
+  }
+}
+
 // Codes and absmax of elements [0, n) of x, whole blocks from the first (the last may be
 // partial): per block, its absolute maximum (NaN if any element is) and each element's code.
 inline void quantize_blocks(const detail::QuantMap& q, const float* x, std::size_t n,
@@ -166,27 +216,138 @@ inline void quantize_blocks(const detail::QuantMap& q, const float* x, std::size
     const std::size_t end = b + kQuantBlock < n ? b + kQuantBlock : n;
     const float m = block_absmax(x, b, end);
     absmax[b / kQuantBlock] = m;
-    if (!(m < std::numeric_limits<float>::infinity())) {  // inf or NaN: 0 * m reads back NaN
-      std::memset(codes + b, q.is_signed ? 127 : 0, end - b);
-      continue;
+    quantize_block(q, x, b, end, m, codes);
+  }
+}
+
+// Elements [i, i + V::width) of a slice's array of format F (a.format), read as float32
+// (absent: zeros).
+template <class V, StateFormat F>
+inline V load_compact(const detail::CompactArray& a, std::size_t i) {
+  if constexpr (F != StateFormat::float32) {
+    if (!a.packed) return V::set1(0.0f);
+  }
+  if constexpr (F == StateFormat::bfloat16) {
+    return V::load_bf16(static_cast<const std::uint16_t*>(a.packed) + i);
+  } else if constexpr (F == StateFormat::int8) {
+    const auto codes = V::load_u8_bits(static_cast<const std::uint8_t*>(a.packed) + i);
+    return V::lookup(a.map->value, codes) * V::set1(a.scale);
+  } else {
+    return a.values ? V::load(a.values + i) : V::set1(0.0f);
+  }
+}
+
+// Stores x as elements [i, i + V::width) of a slice's array of format F: float32 in place,
+// bfloat16 rounded stochastically with the bits round_bf16 would use (and kept as float32 where
+// asked), int8 into the float32 buffer with the integer maximum of |x|'s patterns taken into
+// `amax` (block_absmax's).
+template <class V, StateFormat F>
+inline void store_compact(const detail::CompactArray& a, std::uint32_t first, std::size_t i, V x,
+                          typename V::Bits& amax) {
+  if constexpr (F != StateFormat::float32) {
+    if (!a.packed) return;
+  }
+  if constexpr (F == StateFormat::bfloat16) {
+    const auto bits = V::random_bits(a.key, first + static_cast<std::uint32_t>(i));
+    x.store_bf16_stochastic(static_cast<std::uint16_t*>(a.packed) + i, bits);
+    if (a.values) x.round_bf16_stochastic(bits, 0).store(a.values + i);
+  } else if constexpr (F == StateFormat::int8) {
+    x.store(a.values + i);
+    amax = V::max_i32(amax, V::bit_and(V::bits(x), V::bits_set1(0x7fffffffu)));
+  } else {
+    if (a.values) x.store(a.values + i);
+  }
+}
+
+// compact_slice's loop with the parameter's format PF and the state's SF (every state array
+// present has it).
+template <StateFormat PF, StateFormat SF, class Body>
+inline void compact_slice_with(const detail::CompactSlice& slice, Body body) {
+  constexpr int K = ParamBuffers::kMaxState;
+  // copies (of the slice and, by value, of the body and what it captures) that the loop's float
+  // stores cannot alias: their fields stay in registers instead of being reloaded per vector
+  const detail::CompactSlice s = slice;
+  Vec::Bits vmax[K];
+  Scalar::Bits smax[K];
+  for (int k = 0; k < K; ++k) {
+    vmax[k] = Vec::bits_set1(0);
+    smax[k] = 0;
+  }
+  for_range(0, s.n, [&](auto tag, std::size_t i) {
+    using V = decltype(tag);
+    V p = load_compact<V, PF>(s.param, i);
+    const V g = V::load(s.grad + i);
+    V st[K];
+    for (int k = 0; k < K; ++k) st[k] = load_compact<V, SF>(s.state[k], i);
+    body(p, g, st);
+    for (int k = 0; k < K; ++k) {
+      if constexpr (std::is_same_v<V, Vec>) store_compact<V, SF>(s.state[k], s.first, i, st[k], vmax[k]);
+      else store_compact<V, SF>(s.state[k], s.first, i, st[k], smax[k]);
     }
-    // y = (x * pre) * inv, x / m up to rounding: pre = 2^100 keeps 1 / (m * pre) finite for a
-    // tiny m (x * 1 is x: skipped); a block of zeros scales by 0.
-    const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
-    const float inv = m > 0.0f ? 1.0f / (m * pre) : 0.0f;
-    if (pre == 1.0f) {
-      for_range(b, end, [&](auto tag, std::size_t i) {
-        using V = decltype(tag);
-        V::store_u8_bits(codes + i, quantize_code(q, V::load(x + i) * V::set1(inv)));
-      });
-    } else {
-      for_range(b, end, [&](auto tag, std::size_t i) {
-        using V = decltype(tag);
-        V::store_u8_bits(codes + i,
-                         quantize_code(q, V::load(x + i) * V::set1(pre) * V::set1(inv)));
-      });
+    typename V::Bits unused{};
+    store_compact<V, PF>(s.param, s.first, i, p, unused);
+  });
+  if constexpr (SF == StateFormat::int8) {
+    for (int k = 0; k < K; ++k) {
+      const detail::CompactArray& a = s.state[k];
+      if (!a.packed) continue;
+      float lanes[Vec::width];
+      Vec::from_bits(vmax[k]).store(lanes);
+      Scalar::Bits m = smax[k];
+      for (float l : lanes) m = Scalar::max_i32(m, Scalar::bits(Scalar{l}));
+      const float absmax = m <= 0x7f800000u ? bits_float(m) : block_absmax(a.values, 0, s.n);
+      *a.absmax = absmax;
+      quantize_block(*a.map, a.values, 0, s.n, absmax, static_cast<std::uint8_t*>(a.packed));
     }
   }
+}
+
+// Whether a slice's arrays are in one of the combinations compact_slice runs: a float32 or
+// bfloat16 parameter, and every state array present in one format; and whether fusing measured
+// faster than the separate passes with this ISA's vector width (AdamW, one thread, 4M elements,
+// docs/benchmarks.md): with 16 lanes (AVX-512) always; with 8 (AVX2) for bfloat16 arrays only
+// (int8 state took 1.95 -> 2.92 ns per element fused, bfloat16 state 1.55 -> 1.33); with fewer
+// (NEON, scalar) never (scalar bfloat16 state 4.37 -> 5.41).
+inline bool compact_slice_runs(const detail::CompactSlice& s, StateFormat& state_format) {
+  if constexpr (Vec::width < 8) return false;
+  bool any = false;
+  for (const detail::CompactArray& a : s.state) {
+    if (!a.values && !a.packed) continue;
+    if (any && a.format != state_format) return false;
+    state_format = a.format;
+    any = true;
+  }
+  if (!any) state_format = StateFormat::float32;
+  if (state_format == StateFormat::int8 && Vec::width < 16) return false;
+  return s.param.format != StateFormat::int8;
+}
+
+// Runs an element-wise update over a slice with every array converted inside the loop, a vector
+// at a time: body(p, g, s) gets the parameter, the float32 gradient and the kMaxState state
+// values (V, read as load_compact says; an absent array reads zeros and is not stored) and
+// updates p and s in place; they are stored as store_compact says. Then each int8 array's block
+// is quantised (quantize_block) with the absolute maximum taken while storing (a NaN block
+// searched again by block_absmax, for the same NaN). Every result bit is that of the separate
+// passes (widen_bf16 / dequantize_blocks, the kernel, round_bf16 / quantize_blocks) on the same
+// slice. Returns false, having done nothing, for a combination it does not run
+// (compact_slice_runs): the caller takes the separate passes.
+template <class Body>
+inline bool compact_slice(const detail::CompactSlice& s, Body&& body) {
+  StateFormat sf;
+  if (!compact_slice_runs(s, sf)) return false;
+  auto with_state = [&](auto pf) {
+    constexpr StateFormat PF = decltype(pf)::value;
+    switch (sf) {
+      case StateFormat::bfloat16: compact_slice_with<PF, StateFormat::bfloat16>(s, body); break;
+      case StateFormat::int8: compact_slice_with<PF, StateFormat::int8>(s, body); break;
+      default: compact_slice_with<PF, StateFormat::float32>(s, body);
+    }
+  };
+  if (s.param.format == StateFormat::bfloat16)
+    with_state(std::integral_constant<StateFormat, StateFormat::bfloat16>{});
+  else
+    with_state(std::integral_constant<StateFormat, StateFormat::float32>{});
+  return true;
 }
 
 }  // namespace ROUNDPIPE_ISA_NS
