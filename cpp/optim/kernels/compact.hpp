@@ -220,48 +220,54 @@ inline void quantize_blocks(const detail::QuantMap& q, const float* x, std::size
   }
 }
 
-// Elements [i, i + V::width) of a slice's array of format F (a.format), read as float32
-// (absent: zeros).
+// Elements [i, i + V::width) of a slice's array (present) of format F (a.format), as float32.
 template <class V, StateFormat F>
 inline V load_compact(const detail::CompactArray& a, std::size_t i) {
-  if constexpr (F != StateFormat::float32) {
-    if (!a.packed) return V::set1(0.0f);
-  }
   if constexpr (F == StateFormat::bfloat16) {
     return V::load_bf16(static_cast<const std::uint16_t*>(a.packed) + i);
   } else if constexpr (F == StateFormat::int8) {
     const auto codes = V::load_u8_bits(static_cast<const std::uint8_t*>(a.packed) + i);
     return V::lookup(a.map->value, codes) * V::set1(a.scale);
   } else {
-    return a.values ? V::load(a.values + i) : V::set1(0.0f);
+    return V::load(a.values + i);
   }
 }
 
-// Stores x as elements [i, i + V::width) of a slice's array of format F: float32 in place,
-// bfloat16 rounded stochastically with the bits round_bf16 would use (and kept as float32 where
-// asked), int8 into the float32 buffer with the integer maximum of |x|'s patterns taken into
-// `amax` (block_absmax's).
-template <class V, StateFormat F>
+// Stores x as elements [i, i + V::width) of a slice's array (present) of format F: float32 in
+// place, bfloat16 rounded stochastically with the bits round_bf16 would use (and kept as float32
+// where a.values asks: Kept), int8 into the float32 buffer with the integer maximum of |x|'s
+// patterns taken into `amax` (block_absmax's).
+template <class V, StateFormat F, bool Kept = false>
 inline void store_compact(const detail::CompactArray& a, std::uint32_t first, std::size_t i, V x,
                           typename V::Bits& amax) {
-  if constexpr (F != StateFormat::float32) {
-    if (!a.packed) return;
-  }
   if constexpr (F == StateFormat::bfloat16) {
     const auto bits = V::random_bits(a.key, first + static_cast<std::uint32_t>(i));
     x.store_bf16_stochastic(static_cast<std::uint16_t*>(a.packed) + i, bits);
-    if (a.values) x.round_bf16_stochastic(bits, 0).store(a.values + i);
+    if constexpr (Kept) x.round_bf16_stochastic(bits, 0).store(a.values + i);
   } else if constexpr (F == StateFormat::int8) {
     x.store(a.values + i);
     amax = V::max_i32(amax, V::bit_and(V::bits(x), V::bits_set1(0x7fffffffu)));
   } else {
-    if (a.values) x.store(a.values + i);
+    x.store(a.values + i);
   }
 }
 
-// compact_slice's loop with the parameter's format PF and the state's SF (every state array
-// present has it).
-template <StateFormat PF, StateFormat SF, class Body>
+// A software prefetch of a slice's array (present) of format F, kPrefetchAhead elements ahead of
+// i (for_range.hpp: the update's divisions would otherwise issue its loads late).
+template <StateFormat F>
+inline void prefetch_compact(const detail::CompactArray& a, std::size_t i) {
+  if constexpr (F == StateFormat::bfloat16)
+    __builtin_prefetch(static_cast<const std::uint16_t*>(a.packed) + i + kPrefetchAhead);
+  else if constexpr (F == StateFormat::int8)
+    __builtin_prefetch(static_cast<const std::uint8_t*>(a.packed) + i + kPrefetchAhead);
+  else
+    __builtin_prefetch(a.values + i + kPrefetchAhead);
+}
+
+// compact_slice's loop with the parameter's format PF (and, for a bfloat16 one, whether its
+// stored values are Kept as float32), the state's SF and the state arrays present (bit k:
+// slot k; every one present has format SF). Branch-free per vector but for the body's own.
+template <StateFormat PF, bool Kept, StateFormat SF, unsigned Present, class Body>
 inline void compact_slice_with(const detail::CompactSlice& slice, Body body) {
   constexpr int K = ParamBuffers::kMaxState;
   // copies (of the slice and, by value, of the body and what it captures) that the loop's float
@@ -275,22 +281,30 @@ inline void compact_slice_with(const detail::CompactSlice& slice, Body body) {
   }
   for_range(0, s.n, [&](auto tag, std::size_t i) {
     using V = decltype(tag);
+    if constexpr (std::is_same_v<V, Vec>) {
+      prefetch_compact<PF>(s.param, i);
+      __builtin_prefetch(s.grad + i + kPrefetchAhead);
+      for (int k = 0; k < K; ++k)
+        if (Present >> k & 1u) prefetch_compact<SF>(s.state[k], i);
+    }
     V p = load_compact<V, PF>(s.param, i);
     const V g = V::load(s.grad + i);
     V st[K];
-    for (int k = 0; k < K; ++k) st[k] = load_compact<V, SF>(s.state[k], i);
+    for (int k = 0; k < K; ++k)
+      st[k] = Present >> k & 1u ? load_compact<V, SF>(s.state[k], i) : V::set1(0.0f);
     body(p, g, st);
     for (int k = 0; k < K; ++k) {
+      if (!(Present >> k & 1u)) continue;
       if constexpr (std::is_same_v<V, Vec>) store_compact<V, SF>(s.state[k], s.first, i, st[k], vmax[k]);
       else store_compact<V, SF>(s.state[k], s.first, i, st[k], smax[k]);
     }
     typename V::Bits unused{};
-    store_compact<V, PF>(s.param, s.first, i, p, unused);
+    store_compact<V, PF, Kept>(s.param, s.first, i, p, unused);
   });
   if constexpr (SF == StateFormat::int8) {
     for (int k = 0; k < K; ++k) {
+      if (!(Present >> k & 1u)) continue;
       const detail::CompactArray& a = s.state[k];
-      if (!a.packed) continue;
       float lanes[Vec::width];
       Vec::from_bits(vmax[k]).store(lanes);
       Scalar::Bits m = smax[k];
@@ -303,28 +317,29 @@ inline void compact_slice_with(const detail::CompactSlice& slice, Body body) {
 }
 
 // Whether a slice's arrays are in one of the combinations compact_slice runs: a float32 or
-// bfloat16 parameter, and every state array present in one format; and whether fusing measured
-// faster than the separate passes with this ISA's vector width (AdamW, one thread, 4M elements,
-// docs/benchmarks.md): with 16 lanes (AVX-512) always; with 8 (AVX2) for bfloat16 arrays only
-// (int8 state took 1.95 -> 2.92 ns per element fused, bfloat16 state 1.55 -> 1.33); with fewer
-// (NEON, scalar) never (scalar bfloat16 state 4.37 -> 5.41).
-inline bool compact_slice_runs(const detail::CompactSlice& s, StateFormat& state_format) {
+// bfloat16 parameter, and the state arrays present in one format, as slots 0, 1 and optionally
+// 2; and whether fusing measured faster than the separate passes with this ISA's vector width
+// (AdamW, one thread, docs/benchmarks.md): with 8 lanes or more (AVX2, AVX-512); not with fewer
+// (NEON, scalar: scalar bfloat16 state took 4.37 -> 5.41 ns per element fused, 4M elements).
+inline bool compact_slice_runs(const detail::CompactSlice& s, StateFormat& state_format,
+                               unsigned& present) {
   if constexpr (Vec::width < 8) return false;
-  bool any = false;
-  for (const detail::CompactArray& a : s.state) {
+  present = 0;
+  for (int k = 0; k < ParamBuffers::kMaxState; ++k) {
+    const detail::CompactArray& a = s.state[k];
     if (!a.values && !a.packed) continue;
-    if (any && a.format != state_format) return false;
+    if (present && a.format != state_format) return false;
     state_format = a.format;
-    any = true;
+    present |= 1u << k;
   }
-  if (!any) state_format = StateFormat::float32;
-  if (state_format == StateFormat::int8 && Vec::width < 16) return false;
+  if (present != 0b011u && present != 0b111u) return false;
+
   return s.param.format != StateFormat::int8;
 }
 
 // Runs an element-wise update over a slice with every array converted inside the loop, a vector
 // at a time: body(p, g, s) gets the parameter, the float32 gradient and the kMaxState state
-// values (V, read as load_compact says; an absent array reads zeros and is not stored) and
+// values (V, read as load_compact says; an absent slot 2 reads zeros and is not stored) and
 // updates p and s in place; they are stored as store_compact says. Then each int8 array's block
 // is quantised (quantize_block) with the absolute maximum taken while storing (a NaN block
 // searched again by block_absmax, for the same NaN). Every result bit is that of the separate
@@ -333,20 +348,28 @@ inline bool compact_slice_runs(const detail::CompactSlice& s, StateFormat& state
 // (compact_slice_runs): the caller takes the separate passes.
 template <class Body>
 inline bool compact_slice(const detail::CompactSlice& s, Body&& body) {
-  StateFormat sf;
-  if (!compact_slice_runs(s, sf)) return false;
-  auto with_state = [&](auto pf) {
+  StateFormat sf = StateFormat::float32;
+  unsigned present = 0;
+  if (!compact_slice_runs(s, sf, present)) return false;
+  auto run = [&](auto pf, auto kept) {
     constexpr StateFormat PF = decltype(pf)::value;
+    constexpr bool Kept = decltype(kept)::value;
+    auto with = [&](auto state) {
+      constexpr StateFormat SF = decltype(state)::value;
+      if (present == 0b111u) compact_slice_with<PF, Kept, SF, 0b111u>(s, body);
+      else compact_slice_with<PF, Kept, SF, 0b011u>(s, body);
+    };
     switch (sf) {
-      case StateFormat::bfloat16: compact_slice_with<PF, StateFormat::bfloat16>(s, body); break;
-      case StateFormat::int8: compact_slice_with<PF, StateFormat::int8>(s, body); break;
-      default: compact_slice_with<PF, StateFormat::float32>(s, body);
+      case StateFormat::bfloat16: with(std::integral_constant<StateFormat, StateFormat::bfloat16>{}); break;
+      case StateFormat::int8: with(std::integral_constant<StateFormat, StateFormat::int8>{}); break;
+      default: with(std::integral_constant<StateFormat, StateFormat::float32>{});
     }
   };
-  if (s.param.format == StateFormat::bfloat16)
-    with_state(std::integral_constant<StateFormat, StateFormat::bfloat16>{});
-  else
-    with_state(std::integral_constant<StateFormat, StateFormat::float32>{});
+  using Bf16 = std::integral_constant<StateFormat, StateFormat::bfloat16>;
+  using F32 = std::integral_constant<StateFormat, StateFormat::float32>;
+  if (s.param.format != StateFormat::bfloat16) run(F32{}, std::false_type{});
+  else if (s.param.values) run(Bf16{}, std::true_type{});
+  else run(Bf16{}, std::false_type{});
   return true;
 }
 
