@@ -319,8 +319,9 @@ inline void compact_slice_with(const detail::CompactSlice& slice, Body body) {
 // Whether a slice's arrays are in one of the combinations compact_slice runs: a float32 or
 // bfloat16 parameter, and the state arrays present in one format, as slots 0, 1 and optionally
 // 2; and whether fusing measured faster than the separate passes with this ISA's vector width
-// (AdamW, one thread, docs/benchmarks.md): with 8 lanes or more (AVX2, AVX-512); not with fewer
-// (NEON, scalar: scalar bfloat16 state took 4.37 -> 5.41 ns per element fused, 4M elements).
+// (AdamW, one thread, docs/benchmarks.md): with 16 lanes (AVX-512) always; with 8 (AVX2) for
+// bfloat16 arrays only (with a bfloat16 parameter, int8 state took 2.39 -> 2.54 ns per element
+// fused, 32M elements); with fewer (NEON, scalar) never (scalar bfloat16 state 4.37 -> 5.41).
 inline bool compact_slice_runs(const detail::CompactSlice& s, StateFormat& state_format,
                                unsigned& present) {
   if constexpr (Vec::width < 8) return false;
@@ -333,6 +334,7 @@ inline bool compact_slice_runs(const detail::CompactSlice& s, StateFormat& state
     present |= 1u << k;
   }
   if (present != 0b011u && present != 0b111u) return false;
+  if (state_format == StateFormat::int8 && Vec::width < 16) return false;
 
   return s.param.format != StateFormat::int8;
 }
