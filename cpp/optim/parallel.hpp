@@ -104,8 +104,8 @@ constexpr std::size_t kCompactStageElements = 256;
 // With `fused` (the algorithm's CompactKernelFn), a compact tensor's slice runs it instead of
 // the separate conversion passes around `kernel` (where it runs the slice's formats): every
 // array is converted inside its loop, a vector at a time, with the same result bits
-// (kernels/compact.hpp: compact_slice): AdamW with bf16 master weights took 1.66 -> 1.34 ns per
-// element (bf16 state) and 2.14 -> 1.84 (int8 state) on one AVX-512 thread (docs/benchmarks.md).
+// (kernels/compact.hpp: compact_slice): AdamW with bf16 state took 1.19 -> 0.90 ns per element
+// on one AVX-512 thread, int8 state 1.69 -> 1.43 (32M elements; docs/benchmarks.md).
 template <class State, class Coeffs>
 void run_kernel(KernelFn<Coeffs> kernel,
                 const Coeffs* coeffs, const ParamBuffers* tensors, std::size_t count,
