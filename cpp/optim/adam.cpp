@@ -40,7 +40,8 @@ void adam_step(const AdamOptions& o, const ParamBuffers* tensors, std::size_t co
         o.amsgrad,
     };
   }
-  detail::run_kernel<AdamState>(kernels.adam, coeffs.data(), tensors, count, io);
+  detail::run_kernel<AdamState>(kernels.adam, coeffs.data(), tensors, count, io,
+                                kernels.adam_compact);
 }
 
 }  // namespace roundpipe

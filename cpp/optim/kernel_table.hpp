@@ -34,6 +34,12 @@ namespace detail {
 template <class Coeffs>
 using KernelFn = void (*)(Coeffs, ParamBuffers, std::size_t begin, std::size_t end);
 
+// One algorithm's update on a slice of compact storage, converting inside its loop
+// (kernels/compact.hpp: compact_slice); false, having done nothing, for a combination of
+// formats it does not run.
+template <class Coeffs>
+using CompactKernelFn = bool (*)(Coeffs, const CompactSlice&);
+
 struct KernelTable {
 #define ROUNDPIPE_KERNEL_ENTRY(name, Name) KernelFn<Name##Coeffs> name;
   ROUNDPIPE_STEP_FUNCTIONS(ROUNDPIPE_KERNEL_ENTRY)
@@ -58,6 +64,8 @@ struct KernelTable {
                             std::size_t n, float* out);
   void (*quantize_blocks)(const QuantMap&, const float* x, std::size_t n, std::uint8_t* codes,
                           float* absmax);
+  // the update fused with the conversions, where an algorithm has one (Adam/AdamW)
+  CompactKernelFn<AdamCoeffs> adam_compact;
   // quantized weights (kernels/dequant.hpp): values [0, n) of a run of whole blocks
   void (*dequantize_nf4_blocks)(const std::uint8_t* codes, const float* absmax, std::size_t n,
                                 Dtype dtype, void* out);

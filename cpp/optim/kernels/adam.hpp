@@ -27,10 +27,19 @@ struct AdamCoeffs {
 }  // namespace roundpipe
 
 #ifdef ROUNDPIPE_ISA_NS
+#include "compact.hpp"
 #include "for_range.hpp"
 
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
+
+// The parameter's update from the decayed parameter p and the moments m and v (v the maximum
+// so far with amsgrad).
+template <class V>
+inline V adam_param(const detail::AdamCoeffs& c, V p, V m, V v) {
+  V denom = sqrt(v) / V::set1(c.bias_correction2_sqrt) + V::set1(c.eps);
+  return p + V::set1(c.neg_step_size) * m / denom;
+}
 
 inline void adam_kernel(detail::AdamCoeffs c, ParamBuffers t, std::size_t begin,
                         std::size_t end) {
@@ -45,9 +54,24 @@ inline void adam_kernel(detail::AdamCoeffs c, ParamBuffers t, std::size_t begin,
       v = maximum(V::load(max_exp_avg_sq + i), v);
       v.store(max_exp_avg_sq + i);
     }
-    V denom = sqrt(v) / V::set1(c.bias_correction2_sqrt) + V::set1(c.eps);
-    p = p + V::set1(c.neg_step_size) * m / denom;
-    p.store(t.param + i);
+    adam_param(c, p, m, v).store(t.param + i);
+  });
+}
+
+// The same update on a slice of compact storage, each array converted inside the loop
+// (compact_slice in kernels/compact.hpp): the same bits as the staged passes around adam_kernel.
+// False, having done nothing, where compact_slice does not run the slice's combination.
+inline bool adam_compact_kernel(detail::AdamCoeffs c, const detail::CompactSlice& s) {
+  return compact_slice(s, [c](auto& p, auto g, auto* st) {
+    auto [q, g2, m, v] = step_moments(c.moments, p, g, st[AdamState::exp_avg],
+                                      st[AdamState::exp_avg_sq]);
+    st[AdamState::exp_avg] = m;
+    st[AdamState::exp_avg_sq] = v;
+    if (c.amsgrad) {
+      v = maximum(st[AdamState::max_exp_avg_sq], v);
+      st[AdamState::max_exp_avg_sq] = v;
+    }
+    p = adam_param(c, q, m, v);
   });
 }
 

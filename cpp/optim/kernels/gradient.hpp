@@ -37,12 +37,17 @@ namespace ROUNDPIPE_ISA_NS {
 
 // Elements [i, i + V::width) of the gradient of `t`, prepared as above; `p` holds the same
 // elements of the parameter (loaded by the caller, which updates it).
+// The gradient g prepared as above, given the same elements p of the parameter.
 template <class V>
-inline V load_grad(const detail::GradCoeffs& c, const ParamBuffers& t, std::size_t i, V p) {
-  V g = V::load(t.grad + i);
+inline V prepare_grad(const detail::GradCoeffs& c, V g, V p) {
   if (c.maximize) g = -g;
   if (c.l2) g = fmadd(p, V::set1(c.weight_decay), g);
   return g;
+}
+
+template <class V>
+inline V load_grad(const detail::GradCoeffs& c, const ParamBuffers& t, std::size_t i, V p) {
+  return prepare_grad(c, V::load(t.grad + i), p);
 }
 
 }  // namespace ROUNDPIPE_ISA_NS

@@ -37,19 +37,24 @@ struct Moments {
 
 // Elements [i, i + V::width): loads grad, param and the moments, updates and stores the moments,
 // returns what the algorithm's own update needs.
+// The same on values: parameter p, raw gradient grad, exp_avg m and exp_avg_sq v as loaded.
+template <class V>
+inline Moments<V> step_moments(const detail::MomentCoeffs& c, V p, V grad, V m, V v) {
+  const V g = prepare_grad(c.grad, grad, p);
+  if (c.decay != 1.0f) p = p * V::set1(c.decay);
+  m = torch_lerp(m, g, c.lerp_weight, c.lerp_from_end);
+  v = fmadd(V::set1(c.one_minus_beta2) * g, g, v * V::set1(c.beta2));
+  return {p, g, m, v};
+}
+
 template <class V>
 inline Moments<V> update_moments(const detail::MomentCoeffs& c, const ParamBuffers& t,
                                  float* exp_avg, float* exp_avg_sq, std::size_t i) {
-  V p = V::load(t.param + i);
-  const V g = load_grad(c.grad, t, i, p);
-  if (c.decay != 1.0f) p = p * V::set1(c.decay);
-  V m = V::load(exp_avg + i);
-  m = torch_lerp(m, g, c.lerp_weight, c.lerp_from_end);
-  V v = V::load(exp_avg_sq + i) * V::set1(c.beta2);
-  v = fmadd(V::set1(c.one_minus_beta2) * g, g, v);
-  m.store(exp_avg + i);
-  v.store(exp_avg_sq + i);
-  return {p, g, m, v};
+  const Moments<V> r = step_moments(c, V::load(t.param + i), V::load(t.grad + i),
+                                    V::load(exp_avg + i), V::load(exp_avg_sq + i));
+  r.m.store(exp_avg + i);
+  r.v.store(exp_avg_sq + i);
+  return r;
 }
 
 }  // namespace ROUNDPIPE_ISA_NS
