@@ -71,7 +71,7 @@ CONFIGS = [
 ]
 
 _MEMORY_SCRIPT = r"""
-import os, resource, sys
+import sys
 import torch
 from torch import nn
 import roundpipe, roundpipe.optim as rpo
@@ -86,9 +86,9 @@ def make_opt(params):
     sd = "int8" if state_dtype == "int8" else getattr(torch, state_dtype)
     return rpo.AdamW(params, lr=1e-4, state_dtype=sd, **kw)
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def status(key):  # bytes of a /proc/self/status line (VmRSS, VmHWM)
+    with open("/proc/self/status") as f:
+        return next(int(v.split()[1]) * 1024 for v in f if v.startswith(key + ":"))
 
 def train(model, opt, mode, x, steps):
     lf = lambda o: o.float().square().mean()
@@ -106,7 +106,12 @@ warm = roundpipe.RoundPipe(small, optim_dtype=master, device="cpu", num_microbat
 for m in ("exact", "step", "async"):
     train(warm, make_opt(warm.optim_parameters()), m, torch.randn(4, 64).bfloat16(), 2)
 del warm
-base = rss()
+# the peak is VmHWM reset here, not ru_maxrss: a child started by vfork + exec (subprocess)
+# keeps its parent's peak RSS in ru_maxrss, so under a large parent (a pytest session) it
+# reported the parent's size
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+base = status("VmRSS")
 torch.set_default_dtype(torch.bfloat16)   # built in bf16: no fp32 model ever exists
 net = nn.Sequential(*[nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(),
                                     nn.Linear(4 * hidden, hidden)) for _ in range(12)])
@@ -114,7 +119,7 @@ torch.set_default_dtype(torch.float32)
 n = sum(p.numel() for p in net.parameters())
 model = roundpipe.RoundPipe(net, optim_dtype=master, device="cpu", num_microbatch=4)
 train(model, make_opt(model.optim_parameters()), mode, torch.randn(4, hidden).bfloat16(), 3)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status("VmHWM")
 print((peak - base) / n)
 """
 
