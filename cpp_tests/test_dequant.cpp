@@ -87,6 +87,27 @@ std::vector<std::size_t> sizes() {
   return n;
 }
 
+// Dequantizes n values of `dtype` with `dequantize(out)` into a buffer with 8 guard bytes and
+// expects every value to equal want(i), the float64 reference (the sign of a zero included),
+// and nothing past the n values to be written.
+template <class Dequantize, class Want>
+void expect_reference(std::size_t n, Dtype dtype, Dequantize dequantize, Want want) {
+  const std::size_t width = dtype == Dtype::float32 ? 4 : 2;
+  std::vector<std::uint8_t> out(n * width + 8, 0xab);
+  dequantize(out.data());
+  int bad = 0;
+  for (std::size_t i = 0; i < n && bad < 5; ++i) {
+    const double w = want(i);
+    const double got = decoded(out, i, dtype);
+    if (!(got == w && std::signbit(got) == std::signbit(w))) {
+      ADD_FAILURE() << "value " << i << ": got " << got << ", want " << w;
+      ++bad;
+    }
+  }
+  for (std::size_t k = n * width; k < out.size(); ++k)
+    ASSERT_EQ(out[k], 0xab) << "wrote past the end";
+}
+
 TEST(Dequant, Nf4MatchesFloat64Reference) {
   std::mt19937 rng(7);
   rptest::for_each_isa([&](roundpipe::Isa) {
@@ -97,21 +118,15 @@ TEST(Dequant, Nf4MatchesFloat64Reference) {
       const std::vector<float> absmax = scales(blocks, rng);
       for (Dtype dtype : {Dtype::float32, Dtype::bfloat16, Dtype::float16}) {
         SCOPED_TRACE(std::string(name(dtype)) + " n=" + std::to_string(n));
-        const std::size_t width = dtype == Dtype::float32 ? 4 : 2;
-        std::vector<std::uint8_t> out(n * width + 8, 0xab);
-        roundpipe::dequantize_nf4(codes.data(), absmax.data(), n, dtype, out.data());
-        int bad = 0;
-        for (std::size_t i = 0; i < n && bad < 5; ++i) {
-          const unsigned idx = i % 2 ? codes[i / 2] & 15 : codes[i / 2] >> 4;
-          const double want = reference(kNf4[idx], absmax[i / 64], dtype);
-          const double got = decoded(out, i, dtype);
-          if (!(got == want && std::signbit(got) == std::signbit(want))) {
-            ADD_FAILURE() << "value " << i << ": got " << got << ", want " << want;
-            ++bad;
-          }
-        }
-        for (std::size_t k = n * width; k < out.size(); ++k)
-          ASSERT_EQ(out[k], 0xab) << "wrote past the end";
+        expect_reference(
+            n, dtype,
+            [&](void* out) {
+              roundpipe::dequantize_nf4(codes.data(), absmax.data(), n, dtype, out);
+            },
+            [&](std::size_t i) {
+              const unsigned idx = i % 2 ? codes[i / 2] & 15 : codes[i / 2] >> 4;
+              return reference(kNf4[idx], absmax[i / 64], dtype);
+            });
       }
     }
   });
@@ -127,20 +142,12 @@ TEST(Dequant, Int8MatchesFloat64Reference) {
       const std::vector<float> scale = scales(blocks, rng);
       for (Dtype dtype : {Dtype::float32, Dtype::bfloat16, Dtype::float16}) {
         SCOPED_TRACE(std::string(name(dtype)) + " n=" + std::to_string(n));
-        const std::size_t width = dtype == Dtype::float32 ? 4 : 2;
-        std::vector<std::uint8_t> out(n * width + 8, 0xab);
-        roundpipe::dequantize_int8(codes.data(), scale.data(), n, dtype, out.data());
-        int bad = 0;
-        for (std::size_t i = 0; i < n && bad < 5; ++i) {
-          const double want = reference(codes[i], scale[i / 64], dtype);
-          const double got = decoded(out, i, dtype);
-          if (!(got == want && std::signbit(got) == std::signbit(want))) {
-            ADD_FAILURE() << "value " << i << ": got " << got << ", want " << want;
-            ++bad;
-          }
-        }
-        for (std::size_t k = n * width; k < out.size(); ++k)
-          ASSERT_EQ(out[k], 0xab) << "wrote past the end";
+        expect_reference(
+            n, dtype,
+            [&](void* out) {
+              roundpipe::dequantize_int8(codes.data(), scale.data(), n, dtype, out);
+            },
+            [&](std::size_t i) { return reference(codes[i], scale[i / 64], dtype); });
       }
     }
   });
