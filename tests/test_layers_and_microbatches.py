@@ -30,7 +30,7 @@ def test_only_one_stage_on_the_device_at_a_time(monkeypatch):
         resident = sum(1 for refs in alive if any(r() is not None for r in refs))
         peak = max(peak, resident)
         w, event = real(self, layers, with_grad)
-        alive.append([weakref.ref(t) for d in w.layers for t in d.values()])
+        alive.append([weakref.ref(t) for placed in w.layers for _, t in placed])
         return w, event
 
     monkeypatch.setattr(roundpipe.transfer.CpuIO, "upload", tracking_upload)

@@ -474,7 +474,7 @@ def test_prefetch_keeps_at_most_two_stages_per_device_with_faked_cuda(fake_cuda,
         resident = sum(1 for refs in mine if any(r() is not None for r in refs))
         peak[id(self)] = max(peak.get(id(self), 0), resident)
         weights, event = real_upload(self, layers, with_grad)
-        mine.append([weakref.ref(t) for d in weights.layers for t in d.values()])
+        mine.append([weakref.ref(t) for placed in weights.layers for _, t in placed])
         return weights, event
 
     monkeypatch.setattr(fake_cuda.CudaIO, "upload", upload)

@@ -27,7 +27,7 @@ from torch import nn
 
 from .host_buffers import HostBuffers, host_empty
 from .plan import Stage
-from .torch_private import module_buffers, tensor_version
+from .torch_private import module_buffers, module_parameters, tensor_version
 from .transfer import TensorRef
 
 
@@ -209,9 +209,9 @@ class ParamCopies:
     def refs(self) -> list[list[TensorRef]]:
         """Per layer, the tensors it computes with now (its parameters, then its buffers,
         each once, under the layer's own name, as ``named_parameters`` / ``named_buffers``
-        give them), taken on the calling thread at the start of a call
-        so that workers never read module attributes (which ``functional_call`` swaps while
-        a layer runs).
+        give them, with every place in the layer's modules that holds it), taken on the
+        calling thread at the start of a call so that workers never read module attributes
+        (which :func:`roundpipe.pipeline.execute.run_layers` swaps while a layer runs).
 
         Raises:
             RuntimeError: a parameter that requires grad has no optimizer copy: it was frozen
@@ -220,8 +220,23 @@ class ParamCopies:
         position, known = self.index.position, self.index.known
         out = []
         for li, layer in enumerate(self.layers):
+            # one walk over the modules, in named_parameters' order: per tensor (first name,
+            # tensor, holding module, [(dict, key), ...] of every module holding it)
+            params: dict[int, tuple] = {}
+            buffers: dict[int, tuple] = {}
+            for prefix, module in layer.named_modules():
+                for found, held in ((params, module_parameters(module)),
+                                    (buffers, module_buffers(module))):
+                    for key, t in held.items():
+                        if t is None:
+                            continue
+                        entry = found.get(id(t))
+                        if entry is None:
+                            entry = found[id(t)] = (f"{prefix}.{key}" if prefix else key, t,
+                                                    id(module), [])
+                        entry[3].append((held, key))
             refs = []
-            for name, p in layer.named_parameters():
+            for name, p, _, sites in params.values():
                 i = position.get(id(p))
                 if i is None and p.requires_grad:
                     if id(p) in known:
@@ -236,14 +251,9 @@ class ParamCopies:
                         "optimizer copy and would not be trained; change weights in place "
                         "(under torch.no_grad()) or with load_state_dict, or wrap the model "
                         "again")
-                refs.append(TensorRef(name, p, i, False))
-            seen: set[int] = set()
-            for prefix, module in layer.named_modules():
-                for bname, b in module_buffers(module).items():
-                    if b is not None and id(b) not in seen:
-                        seen.add(id(b))
-                        refs.append(TensorRef(f"{prefix}.{bname}" if prefix else bname, b, None,
-                                              True, id(module)))
+                refs.append(TensorRef(name, p, i, False, sites=tuple(sites)))
+            for name, b, owner, sites in buffers.values():
+                refs.append(TensorRef(name, b, None, True, owner, tuple(sites)))
             out.append(refs)
         return out
 

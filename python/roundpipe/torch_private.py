@@ -21,8 +21,10 @@ unchanged since torch 2.6, the oldest version ``pyproject.toml`` accepts.
 - ``Tensor._version`` (:func:`tensor_version`): in-place writes to a tensor, to notice a
   model copy or buffer changed behind the wrapper's back.
 - ``Tensor._base`` (:func:`tensor_base`): the tensor a view was taken from.
-- ``Module._buffers`` (:func:`module_buffers`): a module's own buffers including the ones
-  registered as None, and the dict ``functional_call`` swaps them in.
+- ``Module._parameters`` / ``Module._buffers`` (:func:`module_parameters`,
+  :func:`module_buffers`): a module's own parameters and buffers, entries registered as None
+  included: the dicts a layer's tensors are swapped into while it runs (what
+  ``torch.func.functional_call`` swaps too, at several times the cost per call).
 """
 
 from __future__ import annotations
@@ -98,7 +100,13 @@ def tensor_base(t: torch.Tensor) -> torch.Tensor | None:
     return t._base
 
 
+def module_parameters(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module``'s own parameters by name (not its children's), None entries included: the
+    dict itself, whose values :func:`roundpipe.pipeline.execute.run_layers` swaps."""
+    return module._parameters
+
+
 def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
     """``module``'s own buffers by name (not its children's), None entries included: the
-    dict itself, as ``functional_call`` swaps its values."""
+    dict itself, whose values :func:`roundpipe.pipeline.execute.run_layers` swaps."""
     return module._buffers

@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from .. import recompute
 
@@ -46,40 +45,61 @@ def in_layer() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-@contextlib.contextmanager
-def _layer_scope():
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
-
-
-def run_layers(layers: list[nn.Module], first_layer: int, tensors: list[dict[str, torch.Tensor]],
-               stage_input: Any, microbatch: int, call_seed: int, device: torch.device,
-               store: dict, recomputing: bool, locks: Optional[list] = None) -> Any:
+def run_layers(layers: list[nn.Module], first_layer: int,
+               tensors: list[list[tuple[tuple, torch.Tensor]]], stage_input: Any,
+               microbatch: int, call_seed: int, device: torch.device, store: dict,
+               recomputing: bool, locks: Optional[list] = None) -> Any:
     """Runs ``layers`` (global indices from ``first_layer``) on ``stage_input`` with the
-    device tensors ``tensors[i]`` of layer ``i``. Layer 0 receives the user's inputs as
+    device tensors ``tensors[i]`` of layer ``i`` (``(sites, tensor)`` pairs:
+    :attr:`roundpipe.transfer.TensorRef.sites`). Layer 0 receives the user's inputs as
     ``(args, kwargs)``; every other layer receives the previous layer's output as its single
     argument, as ``nn.Sequential``. ``locks[i]`` (optional) is held while layer ``i`` runs:
     a module that appears in stages on different devices must not run on two threads at
-    once (``functional_call`` swaps its tensors while it runs)."""
+    once (its tensors are swapped while it runs)."""
     x = stage_input
-    cuda = [device.index or 0] if device.type == "cuda" else []
-    for offset, (layer, w) in enumerate(zip(layers, tensors)):
+    cuda = (device.index or 0) if device.type == "cuda" else None
+    for offset, (layer, placed) in enumerate(zip(layers, tensors)):
         index = first_layer + offset
-        lock = locks[offset] if locks is not None and locks[offset] is not None \
-            else contextlib.nullcontext()
-        with lock, RNG_LOCK, torch.random.fork_rng(devices=cuda), _layer_scope(), \
+        lock = locks[offset] if locks is not None else None
+        if index == 0:
+            args, kwargs = x
+        else:
+            args, kwargs = (x,), {}
+        with lock if lock is not None else _NO_LOCK, RNG_LOCK, \
                 recompute.running(store, (index, microbatch), recomputing):
-            seed = layer_seed(call_seed, index, microbatch)
-            torch.default_generator.manual_seed(seed)
-            if cuda:
-                with torch.cuda.device(device):
-                    torch.cuda.manual_seed(seed)
-            if index == 0:
-                args, kwargs = x
-                x = functional_call(layer, w, tuple(args), dict(kwargs))
-            else:
-                x = functional_call(layer, w, (x,))
+            x = _run_layer(layer, placed, args, kwargs, layer_seed(call_seed, index, microbatch),
+                           cuda)
     return x
+
+
+def _run_layer(layer: nn.Module, placed: list[tuple[tuple, torch.Tensor]], args: tuple,
+               kwargs: dict, seed: int, cuda: Optional[int]) -> Any:
+    """``layer(*args, **kwargs)`` with its tensors swapped for ``placed`` (as
+    ``torch.func.functional_call`` would: the modules' ``_parameters`` / ``_buffers`` entries,
+    a tied tensor at each of its places; restored after) and torch's CPU generator (and CUDA
+    device ``cuda``'s) seeded with ``seed``, their states restored after (as
+    ``torch.random.fork_rng``). The caller holds :data:`RNG_LOCK`."""
+    cpu_rng = torch.default_generator.get_state()
+    cuda_rng = torch.cuda.get_rng_state(cuda) if cuda is not None else None
+    swapped = []
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        torch.default_generator.manual_seed(seed)
+        if cuda is not None:
+            with torch.cuda.device(cuda):
+                torch.cuda.manual_seed(seed)
+        for sites, t in placed:
+            for held, key in sites:
+                swapped.append((held, key, held[key]))
+                held[key] = t
+        return layer(*args, **kwargs)
+    finally:
+        for held, key, original in reversed(swapped):
+            held[key] = original
+        _local.depth -= 1
+        torch.default_generator.set_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, cuda)
+
+
+_NO_LOCK = contextlib.nullcontext()

@@ -34,13 +34,17 @@ from ..torch_private import tensor_version, tree_map
 
 
 class TensorRef(NamedTuple):
-    """One tensor a layer computes with, as the layer names it (``functional_call`` key)."""
+    """One tensor a layer computes with, under the layer's name for it (its first in
+    ``named_parameters`` / ``named_buffers`` order)."""
 
     name: str
     host: torch.Tensor          # the host model copy's parameter or buffer
     index: Optional[int]        # optimizer-copy index of a trainable parameter, else None
     is_buffer: bool
     owner: int = 0              # a buffer's module (id): its buffers are written back together
+    # every place of the layer's modules holding it: (a module's ``_parameters`` or
+    # ``_buffers`` dict, key); more than one where the layer ties it under several names
+    sites: tuple = ()
 
 
 @dataclass
@@ -48,8 +52,10 @@ class StageWeights:
     """A stage's tensors on its device.
 
     Attributes:
-        layers: per layer of the stage, ``name -> device tensor`` (what ``functional_call``
-            takes); a host tensor used by several layers of the stage is one device tensor.
+        layers: per layer of the stage, ``(sites, device tensor)`` for each of its tensors
+            (:attr:`TensorRef.sites`: where the layer's modules hold it, what
+            :func:`roundpipe.pipeline.execute.run_layers` swaps); a host tensor used by
+            several layers of the stage is one device tensor.
         trainable: ``(optimizer-copy index, device tensor requiring grad)``, each index once.
         buffers: ``(host buffer, device buffer, device version right after the upload, id of
             the module holding it)``.
@@ -57,7 +63,7 @@ class StageWeights:
         nbytes: device bytes of the weights and buffers.
     """
 
-    layers: list[dict[str, torch.Tensor]]
+    layers: list[list[tuple[tuple, torch.Tensor]]]
     trainable: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     buffers: list[tuple[torch.Tensor, torch.Tensor, int, int]] = field(default_factory=list)
     grad_sums: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -194,7 +200,7 @@ class DeviceIO:
         copies: dict[int, torch.Tensor] = {}
         weights = StageWeights([])
         for refs in layers:
-            named = {}
+            placed = []
             for ref in refs:
                 t = copies.get(id(ref.host))
                 if t is None:
@@ -219,8 +225,8 @@ class DeviceIO:
                             # matrices, several times slower and rounding differently from
                             # the single GEMM plain PyTorch and our recomputation run.
                             t.requires_grad_(True)
-                named[ref.name] = t
-            weights.layers.append(named)
+                placed.append((ref.sites, t))
+            weights.layers.append(placed)
         return weights, self._end_upload(weights.nbytes)
 
     def to_device(self, tree: Any, event: Any, kind: str) -> Any:
