@@ -160,20 +160,28 @@ def _wait(event: threading.Event, abort: Optional[threading.Event]) -> None:
 
 
 class Slot:
-    """A value set once by one thread and read by others; :meth:`get` waits for it."""
+    """A value set once by one thread and read by others; :meth:`get` waits for it. The event
+    a reader waits on is made only when one has to wait (most slots are read after they are
+    set, and a pass makes a few per stage and microbatch)."""
 
-    __slots__ = ("_event", "_value")
+    __slots__ = ("_done", "_event", "_value")
+    _guard = threading.Lock()  # makes an event and decides whether a reader must wait on it
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._done = False
+        self._event: Optional[threading.Event] = None
         self._value: Any = None
 
     def set(self, value: Any) -> None:
         self._value = value
-        self._event.set()
+        with Slot._guard:
+            self._done = True
+            event = self._event
+        if event is not None:
+            event.set()
 
     def is_set(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def clear_value(self) -> None:
         """Drops the value (its last reader is done with it); the slot stays set."""
@@ -182,7 +190,18 @@ class Slot:
     def get(self, abort: Optional[threading.Event]) -> Any:
         """The value, once set. Raises :class:`Aborted` if ``abort`` is set (checked first, so
         a worker whose inputs are all ready still stops at its next microbatch)."""
-        _wait(self._event, abort)
+        if abort is not None and abort.is_set():
+            raise Aborted()
+        if not self._done:
+            with Slot._guard:
+                if self._done:
+                    event = None
+                else:
+                    if self._event is None:
+                        self._event = threading.Event()
+                    event = self._event
+            if event is not None:
+                _wait(event, abort)
         return self._value
 
 
