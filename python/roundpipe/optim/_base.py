@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import struct
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -82,12 +83,21 @@ def _grad_scale(grad_scale: Any, name: str) -> float:
         value = float(grad_scale) if ok else float("nan")
     except OverflowError:
         value = float("inf")
-    inv = torch.tensor(1.0 / value if 0.0 < value < float("inf") else float("nan"),
-                       dtype=torch.float32)
-    if not (0.0 < value < float("inf")) or not (0.0 < float(inv) < float("inf")):
+    if not (0.0 < value < float("inf")) or not (0.0 < _float32(1.0 / value) < float("inf")):
         raise ValueError(f"{name}: grad_scale must be a number or 1-element floating tensor, "
                          f"finite and > 0 with a finite float32 reciprocal, got {grad_scale!r}")
     return value
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest even; inf where it overflows), without a tensor."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:  # struct refuses what rounds to +-inf
+        return math.copysign(float("inf"), x)
+
+
+_F32 = struct.Struct("f")
 
 
 class StepStats(NamedTuple):
