@@ -42,6 +42,8 @@ def split_microbatches(args: tuple, kwargs: dict, label: Any, n: int) -> list[Mi
             raise ValueError("cannot split into microbatches: no input tensor has a batch dimension")
         return [(args, kwargs, label)]
     n = max(1, min(n, size))
+    if n == 1:  # what one piece of tensor_split would give, without the tree walk
+        return [(args, kwargs, label)]
     leaves, spec = tree_flatten((args, kwargs, label))
     pieces = [
         torch.tensor_split(x, n) if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size
