@@ -141,3 +141,40 @@ def test_repeated_layers_sequential_subclasses_and_tied_weights():
         next(model.optim_parameters()).add_(1e-3)              # not representable in bf16
     sd = model.state_dict()
     assert sd["0.weight"].dtype == torch.float32 and torch.equal(sd["0.weight"], sd["2.weight"])
+
+
+def test_a_weight_tied_inside_one_layer_trains_through_both_uses_as_in_pytorch():
+    """One layer holding one parameter in two submodules (and one buffer in two): RoundPipe
+    swaps the device copy in at both places, so the gradient sums over both uses and the
+    buffer both read is the one uploaded, as plain PyTorch computes them."""
+
+    class TiedInside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.b.weight = self.a.weight
+            self.a.register_buffer("shift", torch.full((8,), 0.25))
+            self.b.register_buffer("shift", self.a.shift)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x) + self.a.shift)) - self.b.shift
+
+    torch.manual_seed(0)
+    net = nn.Sequential(TiedInside(), nn.Linear(8, 4))
+    ref = copy.deepcopy(net)
+    model = RoundPipe(net, num_microbatch=2)
+    opt = roundpipe.optim.SGD(model.optim_parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = data("mlp", step)
+        loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        model.step(opt)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach())
+    model.synchronize()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
+    assert net[0].b.weight is net[0].a.weight  # the tie survives the calls
