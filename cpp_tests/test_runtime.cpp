@@ -7,6 +7,7 @@
 #include <string>
 
 #include "roundpipe/roundpipe.hpp"
+#include "support.hpp"
 
 namespace {
 
@@ -54,11 +55,12 @@ TEST(Runtime, ThreadCount) {
 }
 
 // A per-call thread count (ThreadCountScope, Optimizer::set_num_threads) changes how the work is
-// split, never the result; scopes nest and restore; bad counts throw.
+// split, never the result; scopes nest and restore; bad counts throw. Enough elements for the
+// 4 threads of the outer scope.
 TEST(Runtime, ThreadCountScopeAndPerOptimizerThreads) {
   const int before = roundpipe::num_threads();
   roundpipe::set_num_threads(1);
-  std::vector<float> grad(200003);
+  std::vector<float> grad(4 * rptest::kElementsPerThread + 3);
   for (std::size_t i = 0; i < grad.size(); ++i) grad[i] = std::sin(float(i));
   std::vector<float> results[3];
   for (int threads : {0, 3, 2}) {

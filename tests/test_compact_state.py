@@ -248,7 +248,8 @@ def test_fused_step_gives_the_bits_of_step(state_dtype):
 def test_rounding_is_reproducible_from_the_seed_and_independent_of_threads():
     def run(seed, threads):
         gen = torch.Generator().manual_seed(2)
-        p = torch.nn.Parameter(torch.randn(300_000, generator=gen).bfloat16())
+        # enough elements for 3 threads (one per 196608: kElementsPerThread, cpp/optim/parallel.hpp)
+        p = torch.nn.Parameter(torch.randn(600_000, generator=gen).bfloat16())
         opt = rpo.Adam([p], stochastic_rounding=True, state_dtype=torch.bfloat16, seed=seed)
         opt.num_threads = threads
         for _ in range(3):

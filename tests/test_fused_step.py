@@ -130,7 +130,9 @@ def test_loading_state_of_the_wrong_shape_is_refused_before_anything_changes():
 
 
 def test_num_threads_per_optimizer_gives_the_same_result_and_is_checked():
-    a = [torch.randn(70000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    # 600009 elements: enough for 3 threads (a step runs on at most one per 196608 elements,
+    # kElementsPerThread in cpp/optim/parallel.hpp)
+    a = [torch.randn(200003, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     results = []
     for threads in (None, 1, 3):
         ps = [t.clone().requires_grad_() for t in a]

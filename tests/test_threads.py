@@ -19,8 +19,15 @@ import roundpipe.optim as rpo
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
-# Enough 16384-element chunks for 40 threads.
-ELEMENTS = 40 * 16384
+# A step call over n elements runs on at most max(1, n // ELEMENTS_PER_THREAD) threads (mirrors
+# kElementsPerThread in cpp/optim/parallel.hpp): a step on t threads needs t times as many.
+ELEMENTS_PER_THREAD = 196608
+
+
+def _many_threads() -> int:
+    """A per-call thread count above the process's and above the 4 threads other tests use (the
+    workers of their steps may not have exited yet)."""
+    return max(rpo.num_threads(), 4) + 6
 
 
 def _threads() -> int:
@@ -45,10 +52,11 @@ def _adam(n: int, num_threads=None):
 
 
 def test_threads_made_for_a_larger_count_exit_again():
-    p, opt = _adam(ELEMENTS)
+    many = _many_threads()
+    p, opt = _adam(many * ELEMENTS_PER_THREAD)
     opt.step()  # the process's own workers
     before = _threads()
-    opt.num_threads = 40
+    opt.num_threads = many
     opt.step()
     assert _threads() > before
     assert _eventually(lambda: _threads() <= before), f"{_threads()} threads, {before} before"
@@ -63,7 +71,7 @@ class _Stepper:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        _, opt = _adam(ELEMENTS, num_threads=4)
+        _, opt = _adam(4 * ELEMENTS_PER_THREAD, num_threads=4)
         while not self._stop.is_set():
             opt.step()
             self.steps += 1
@@ -83,7 +91,7 @@ def _child_step() -> bool:
     # torch's own OpenMP threads do not survive a fork (GNU libgomp): a forked child limits torch
     # to one thread, as torch advises. Our pool is separate and must work there on several.
     torch.set_num_threads(1)
-    p, opt = _adam(8 * 16384, num_threads=3)
+    p, opt = _adam(3 * ELEMENTS_PER_THREAD, num_threads=3)  # its steps use workers of its own
     opt.step()
     opt.num_threads = None
     opt.step()

@@ -17,19 +17,38 @@ namespace detail {
 // two to a few dozen threads, large enough that a task's streams stay in flight.
 constexpr std::size_t kChunkElements = 16384;
 
-// Runs task(ctx, k) for k in [0, ntasks) on the pool (the caller takes part) and returns when all
-// are done. Calls from several threads are serialised.
-void run_tasks(std::size_t ntasks, void (*task)(void* ctx, std::size_t k), void* ctx);
+// Elements a step needs per thread it runs on: a step over n elements (all its tensors together)
+// uses at most max(1, n / kElementsPerThread) threads, whatever its thread count. Waking a
+// sleeping worker costs ~60 us on a KVM guest (2 vCPUs), as long as one thread takes for ~80k
+// elements of AdamW; AdamW on one float32 tensor, median us per step:
+//
+//     elements   1 thread   2 threads
+//        32768       30.6        81.6
+//        65536       50.2        97.7
+//       131072      100.9       142.9
+//       262144      211.0       236.0
+//       524288      379.4       341.3
+//
+// The two cross near 370k elements: 196608 (12 chunks) gives a step its second thread from
+// 393216. A small step (a pipeline's per-layer step of a small layer) runs on the caller alone.
+constexpr std::size_t kElementsPerThread = 196608;
 
-// As run_tasks when no other call is running; else returns false at once, having run nothing
-// (for work that must not wait for an optimizer step: it runs on its own thread instead).
+// Runs task(ctx, k) for k in [0, ntasks) on the pool (the caller takes part) and returns when all
+// are done, on at most `max_threads` threads (the caller counted) and at most the thread count
+// (threads.hpp). Calls from several threads are serialised.
+void run_tasks(std::size_t ntasks, void (*task)(void* ctx, std::size_t k), void* ctx,
+               std::size_t max_threads);
+
+// As run_tasks (no limit but the thread count) when no other call is running; else returns false
+// at once, having run nothing (for work that must not wait for an optimizer step: it runs on its
+// own thread instead).
 bool try_run_tasks(std::size_t ntasks, void (*task)(void* ctx, std::size_t k), void* ctx);
 
-// Runs fn(k) for k in [0, ntasks) on the pool.
+// Runs fn(k) for k in [0, ntasks) on the pool (as many threads as tasks, up to the thread count).
 template <class Fn>
 void for_each_task(std::size_t ntasks, Fn&& fn) {
   run_tasks(ntasks, [](void* ctx, std::size_t k) { (*static_cast<std::remove_reference_t<Fn>*>(ctx))(k); },
-            &fn);
+            &fn, ntasks);
 }
 
 // Elements per step of the mixed-precision pass: its float32 gradient buffer (8 KiB) and the
@@ -37,13 +56,19 @@ void for_each_task(std::size_t ntasks, Fn&& fn) {
 constexpr std::size_t kStageElements = 2048;
 
 // Calls fn(tensor, begin, end, chunk) over the elements [0, numel(tensor)) of tensors
-// [0, count), cut into chunks of kChunkElements at chunk-aligned offsets, in parallel; `chunk`
-// numbers them 0, 1, ... in tensor and element order (count_chunks of them).
+// [0, count), cut into chunks of kChunkElements at chunk-aligned offsets, in parallel on at most
+// one thread per kElementsPerThread elements; `chunk` numbers them 0, 1, ... in tensor and
+// element order (count_chunks of them). The chunks, and so the results, do not depend on the
+// number of threads.
 template <class NumelFn, class Fn>
 void for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn) {
   std::vector<std::size_t> first_chunk(count + 1, 0);
-  for (std::size_t t = 0; t < count; ++t)
-    first_chunk[t + 1] = first_chunk[t] + (numel(t) + kChunkElements - 1) / kChunkElements;
+  std::size_t elements = 0;
+  for (std::size_t t = 0; t < count; ++t) {
+    const std::size_t n = numel(t);
+    elements += n;
+    first_chunk[t + 1] = first_chunk[t] + (n + kChunkElements - 1) / kChunkElements;
+  }
   struct Ctx {
     const std::vector<std::size_t>* first_chunk;
     std::remove_reference_t<NumelFn>* numel;
@@ -56,7 +81,7 @@ void for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn) {
     const std::size_t begin = (k - fc[t]) * kChunkElements;
     const std::size_t end = std::min(begin + kChunkElements, (*c.numel)(t));
     (*c.fn)(t, begin, end, k);
-  }, &ctx);
+  }, &ctx, std::max<std::size_t>(1, elements / kElementsPerThread));
 }
 
 // Number of chunks for_each_chunk cuts `tensors` into.

@@ -1,8 +1,9 @@
 // The worker pool (roundpipe/threads.hpp, parallel.hpp).
 //
 // - A step with t threads runs on the caller and workers 0 .. t-2 (fewer when it has fewer
-//   tasks), wakes only those and waits only for them: a step costs what its own thread count
-//   needs, whatever larger counts earlier steps used.
+//   tasks, or fewer elements than t x kElementsPerThread: parallel.hpp), wakes only those and
+//   waits only for them: a step costs what its own thread count needs, whatever larger counts
+//   earlier steps used.
 // - Workers are made on first need. Those below the process's thread count (num_threads())
 //   stay; those above it, made for a larger per-call count (ThreadCountScope), exit once idle
 //   for kIdleExit, highest first, so the process returns to its thread count.
@@ -198,9 +199,12 @@ namespace detail {
 namespace {
 
 // run_tasks' body; the caller holds g_call_mutex.
-void run_tasks_locked(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) {
-  const int threads = t_threads > 0 ? t_threads : threads_locked();
-  if (ntasks <= 1 || threads == 1) {
+void run_tasks_locked(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx,
+                      std::size_t max_threads) {
+  const int count = t_threads > 0 ? t_threads : threads_locked();
+  const std::size_t threads =
+      std::min({static_cast<std::size_t>(count), ntasks, max_threads});
+  if (threads <= 1) {
     for (std::size_t k = 0; k < ntasks; ++k) task(ctx, k);
     return;
   }
@@ -208,20 +212,21 @@ void run_tasks_locked(std::size_t ntasks, void (*task)(void*, std::size_t), void
     g_pool = new Pool;
     g_pool->set_keep(static_cast<std::size_t>(threads_locked() - 1));
   }
-  g_pool->run(ntasks, task, ctx, std::min(static_cast<std::size_t>(threads), ntasks) - 1);
+  g_pool->run(ntasks, task, ctx, threads - 1);
 }
 
 }  // namespace
 
-void run_tasks(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) {
+void run_tasks(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx,
+               std::size_t max_threads) {
   std::lock_guard<std::mutex> lock(g_call_mutex);
-  run_tasks_locked(ntasks, task, ctx);
+  run_tasks_locked(ntasks, task, ctx, max_threads);
 }
 
 bool try_run_tasks(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) {
   std::unique_lock<std::mutex> lock(g_call_mutex, std::try_to_lock);
   if (!lock.owns_lock()) return false;
-  run_tasks_locked(ntasks, task, ctx);
+  run_tasks_locked(ntasks, task, ctx, ntasks);
   return true;
 }
 
