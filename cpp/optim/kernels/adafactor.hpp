@@ -77,7 +77,8 @@ inline V adafactor_u(const detail::AdafactorCoeffs& c, V v, V g) {
 // The elements [begin, end) of the slice t (element i is the tensor's element c.first + i) a
 // row segment at a time: f(i, stop, u) for each segment [i, stop), where u(tag, j) loads the
 // gradient at j and returns u of the factored second moment, g * min(row_scale * col_scale,
-// 1 / eps1).
+// 1 / eps1) (1 / eps1 is never NaN, and neither that nor row_scale * col_scale is ever -0:
+// minimum_bound's condition).
 template <class F>
 inline void for_each_row_segment(const detail::AdafactorCoeffs& c, const ParamBuffers& t,
                                  std::size_t begin, std::size_t end, F&& f) {
@@ -93,7 +94,7 @@ inline void for_each_row_segment(const detail::AdafactorCoeffs& c, const ParamBu
       using V = decltype(tag);
       prefetch_streams<V>(j, t.grad);
       const V g = load_grad(c.grad, t, j, V::set1(0.0f));
-      return minimum(V::set1(row) * V::load(cols + j), V::set1(c.inv_eps1)) * g;
+      return minimum_bound(V::set1(row) * V::load(cols + j), V::set1(c.inv_eps1)) * g;
     });
     i = stop;
   }
