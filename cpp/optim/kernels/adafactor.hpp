@@ -82,21 +82,30 @@ inline V adafactor_u(const detail::AdafactorCoeffs& c, V v, V g) {
 template <class F>
 inline void for_each_row_segment(const detail::AdafactorCoeffs& c, const ParamBuffers& t,
                                  std::size_t begin, std::size_t end, F&& f) {
-  const std::size_t matrix = c.rows * c.cols;
+  if (begin >= end) return;
+  // the first element's row (of all matrices: b * rows + r), its matrix b and column, then row
+  // after row (no division per segment: a row is short on small matrices)
+  const std::size_t at = c.first + begin;
+  std::size_t row = at / c.cols, col = at % c.cols, b = row / c.rows, r = row % c.rows;
   std::size_t i = begin;
-  while (i < end) {
-    const std::size_t at = c.first + i;
-    const std::size_t b = at / matrix, r = at % matrix / c.cols, col = at % c.cols;
+  while (true) {
     const std::size_t stop = std::min(end, i + (c.cols - col));
-    const float row = c.row_scale[b * c.rows + r];
+    const float scale = c.row_scale[row];
     const float* cols = c.col_scale + b * c.cols + col - i;  // cols[j]: column of element j
     f(i, stop, [&](auto tag, std::size_t j) {
       using V = decltype(tag);
       prefetch_streams<V>(j, t.grad);
       const V g = load_grad(c.grad, t, j, V::set1(0.0f));
-      return minimum_bound(V::set1(row) * V::load(cols + j), V::set1(c.inv_eps1)) * g;
+      return minimum_bound(V::set1(scale) * V::load(cols + j), V::set1(c.inv_eps1)) * g;
     });
+    if (stop == end) return;
     i = stop;
+    col = 0;
+    ++row;
+    if (++r == c.rows) {
+      r = 0;
+      ++b;
+    }
   }
 }
 
