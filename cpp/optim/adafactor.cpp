@@ -372,8 +372,14 @@ void adafactor_step(const AdafactorOptions& o, const ParamBuffers* tensors, std:
     const ParamBuffers& t = tensors[i];
     Staging st{isa, inv_scale, clip, false, io != nullptr};
     detail::GradStats unused;
-    const std::uint64_t seed = detail::step_seed(t.rounding_seed, ts[i].step);
     const std::size_t end = std::min(t.numel, begin + detail::kChunkElements);
+    if (!io && !t.grad16 && !t.param_bf16 && !t.model_copy) {  // nothing staged: the whole chunk
+      AdafactorCoeffs c = ts[i].coeffs;
+      c.first = 0;
+      isa.adafactor(c, t, begin, end);
+      return;
+    }
+    const std::uint64_t seed = detail::step_seed(t.rounding_seed, ts[i].step);
     for (std::size_t b = begin; b < end; b += detail::kStageElements) {
       const std::size_t n = std::min(detail::kStageElements, end - b);
       AdafactorCoeffs c = ts[i].coeffs;
