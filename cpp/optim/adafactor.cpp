@@ -185,8 +185,9 @@ void run_factored(Task& task, const ParamBuffers& t, Tensor& ts, Staging& st,
         const std::size_t n = std::min(detail::kStageElements, task.c1 - c);
         const std::size_t begin = (b * R + r) * C + c;
         const ParamBuffers x = st.slice(t, begin, n, task.stats, true);
-        task.p_sq += st.isa.adafactor_squares(x.param, n, nullptr);
-        row += st.isa.adafactor_squares(x.grad, n, acc.data() + (c - task.c0));
+        double p_sq;
+        row += st.isa.adafactor_squares2(x.param, x.grad, n, acc.data() + (c - task.c0), p_sq);
+        task.p_sq += p_sq;
       }
       if (task.whole) ts.row_sum[b * R + r] = row;
       else partial[task.row_at + (r - task.r0)] = row;
