@@ -185,8 +185,9 @@ void run_factored(Task& task, const ParamBuffers& t, Tensor& ts, Staging& st,
         const std::size_t n = std::min(detail::kStageElements, task.c1 - c);
         const std::size_t begin = (b * R + r) * C + c;
         const ParamBuffers x = st.slice(t, begin, n, task.stats, true);
-        task.p_sq += st.isa.adafactor_squares(x.param, n, nullptr);
-        row += st.isa.adafactor_squares(x.grad, n, acc.data() + (c - task.c0));
+        double p_sq;
+        row += st.isa.adafactor_squares2(x.param, x.grad, n, acc.data() + (c - task.c0), p_sq);
+        task.p_sq += p_sq;
       }
       if (task.whole) ts.row_sum[b * R + r] = row;
       else partial[task.row_at + (r - task.r0)] = row;
@@ -372,8 +373,14 @@ void adafactor_step(const AdafactorOptions& o, const ParamBuffers* tensors, std:
     const ParamBuffers& t = tensors[i];
     Staging st{isa, inv_scale, clip, false, io != nullptr};
     detail::GradStats unused;
-    const std::uint64_t seed = detail::step_seed(t.rounding_seed, ts[i].step);
     const std::size_t end = std::min(t.numel, begin + detail::kChunkElements);
+    if (!io && !t.grad16 && !t.param_bf16 && !t.model_copy) {  // nothing staged: the whole chunk
+      AdafactorCoeffs c = ts[i].coeffs;
+      c.first = 0;
+      isa.adafactor(c, t, begin, end);
+      return;
+    }
+    const std::uint64_t seed = detail::step_seed(t.rounding_seed, ts[i].step);
     for (std::size_t b = begin; b < end; b += detail::kStageElements) {
       const std::size_t n = std::min(detail::kStageElements, end - b);
       AdafactorCoeffs c = ts[i].coeffs;

@@ -51,6 +51,8 @@ struct KernelTable {
                            std::size_t n);
   // Adafactor's reductions and passes besides its update (kernels/adafactor.hpp)
   double (*adafactor_squares)(const float* x, std::size_t n, float* acc);
+  double (*adafactor_squares2)(const float* p, const float* g, std::size_t n, float* acc,
+                               double& p_sq);
   void (*adafactor_lerp)(float* start, const float* end, std::size_t n, float weight,
                          bool from_end);
   double (*adafactor_variance)(AdafactorCoeffs, ParamBuffers, std::size_t begin,

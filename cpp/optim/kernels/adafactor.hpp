@@ -3,6 +3,7 @@
 // computes the per-tensor scalars in double between the passes, as torch.optim.Adafactor does):
 //   adafactor_squares   sum of x^2 over a row segment, also added element-wise into a column
 //                       accumulator: the row and column sums of g^2, and the norm of param
+//   adafactor_squares2  both of those in one loop over a row segment of param and grad
 //   adafactor_lerp      R = lerp(R, mean, w) on the small factor arrays (torch's lerp_)
 //   adafactor_variance  unfactored: variance = lerp(variance, g * g, w), returns sum of u^2
 //   adafactor_norm      factored: sum of u^2
@@ -60,6 +61,47 @@ inline double adafactor_squares(const float* x, std::size_t n, float* acc) {
   });
 }
 
+// adafactor_squares(p, n, nullptr) into p_sq and adafactor_squares(g, n, acc) returned, in one
+// loop: the two streams read at once (two loops read one array at a time), each sum added in
+// sum_range's order (the same bits).
+inline double adafactor_squares2(const float* p, const float* g, std::size_t n, float* acc,
+                                 double& p_sq) {
+  constexpr std::size_t kWays = 4, kBlock = 256, W = Vec::width;
+  double p_total = 0.0, g_total = 0.0;
+  std::size_t i = 0;
+  while (i + W <= n) {
+    Vec pa[kWays], ga[kWays];
+    for (std::size_t k = 0; k < kWays; ++k) pa[k] = ga[k] = Vec::set1(0.0f);
+    auto body = [&](std::size_t k, std::size_t j) {
+      prefetch_streams<Vec>(j, p, g);
+      const Vec pv = Vec::load(p + j), gv = Vec::load(g + j);
+      const Vec sq = gv * gv;
+      (Vec::load(acc + j) + sq).store(acc + j);
+      pa[k] = pa[k] + pv * pv;
+      ga[k] = ga[k] + sq;
+    };
+    const std::size_t stop = i + std::min(kBlock * W, (n - i) / W * W);
+    for (; i + kWays * W <= stop; i += kWays * W)
+      for (std::size_t k = 0; k < kWays; ++k) body(k, i + k * W);
+    for (; i < stop; i += W) body(0, i);
+    float lanes[W];
+    ((pa[0] + pa[1]) + (pa[2] + pa[3])).store(lanes);
+    for (float l : lanes) p_total += l;
+    ((ga[0] + ga[1]) + (ga[2] + ga[3])).store(lanes);
+    for (float l : lanes) g_total += l;
+  }
+  Scalar p_tail{0.0f}, g_tail{0.0f};
+  for (; i < n; ++i) {
+    const Scalar pv = Scalar::load(p + i), gv = Scalar::load(g + i);
+    const Scalar sq = gv * gv;
+    (Scalar::load(acc + i) + sq).store(acc + i);
+    p_tail = p_tail + pv * pv;
+    g_tail = g_tail + sq;
+  }
+  p_sq = p_total + p_tail.v;
+  return g_total + g_tail.v;
+}
+
 // start[0, n) = lerp(start, end, w): torch's lerp_ with a scalar weight (for_range.hpp).
 inline void adafactor_lerp(float* start, const float* end, std::size_t n, float weight,
                            bool from_end) {
@@ -77,25 +119,35 @@ inline V adafactor_u(const detail::AdafactorCoeffs& c, V v, V g) {
 // The elements [begin, end) of the slice t (element i is the tensor's element c.first + i) a
 // row segment at a time: f(i, stop, u) for each segment [i, stop), where u(tag, j) loads the
 // gradient at j and returns u of the factored second moment, g * min(row_scale * col_scale,
-// 1 / eps1).
+// 1 / eps1) (1 / eps1 is never NaN, and neither that nor row_scale * col_scale is ever -0:
+// minimum_bound's condition).
 template <class F>
 inline void for_each_row_segment(const detail::AdafactorCoeffs& c, const ParamBuffers& t,
                                  std::size_t begin, std::size_t end, F&& f) {
-  const std::size_t matrix = c.rows * c.cols;
+  if (begin >= end) return;
+  // the first element's row (of all matrices: b * rows + r), its matrix b and column, then row
+  // after row (no division per segment: a row is short on small matrices)
+  const std::size_t at = c.first + begin;
+  std::size_t row = at / c.cols, col = at % c.cols, b = row / c.rows, r = row % c.rows;
   std::size_t i = begin;
-  while (i < end) {
-    const std::size_t at = c.first + i;
-    const std::size_t b = at / matrix, r = at % matrix / c.cols, col = at % c.cols;
+  while (true) {
     const std::size_t stop = std::min(end, i + (c.cols - col));
-    const float row = c.row_scale[b * c.rows + r];
+    const float scale = c.row_scale[row];
     const float* cols = c.col_scale + b * c.cols + col - i;  // cols[j]: column of element j
     f(i, stop, [&](auto tag, std::size_t j) {
       using V = decltype(tag);
       prefetch_streams<V>(j, t.grad);
       const V g = load_grad(c.grad, t, j, V::set1(0.0f));
-      return minimum(V::set1(row) * V::load(cols + j), V::set1(c.inv_eps1)) * g;
+      return minimum_bound(V::set1(scale) * V::load(cols + j), V::set1(c.inv_eps1)) * g;
     });
+    if (stop == end) return;
     i = stop;
+    col = 0;
+    ++row;
+    if (++r == c.rows) {
+      r = 0;
+      ++b;
+    }
   }
 }
 

@@ -178,6 +178,9 @@ inline Vec maximum(Vec a, Vec b) {
 inline Vec minimum(Vec a, Vec b) {
   return select({_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q)}, a, {_mm512_min_ps(a.v, b.v)});
 }
+// minimum(a, bound) in one instruction, for a bound that is never NaN and never a zero of the
+// other sign than a's: min_ps(x, y) returns y when either is NaN or when they are equal.
+inline Vec minimum_bound(Vec a, Vec bound) { return {_mm512_min_ps(bound.v, a.v)}; }
 
 }  // namespace ROUNDPIPE_ISA_NS
 }  // namespace roundpipe

@@ -181,6 +181,9 @@ inline Vec floor(Vec a) { return {vrndmq_f32(a.v)}; }
 // vmaxq/vminq already propagate NaN from either operand, as torch.maximum does.
 inline Vec maximum(Vec a, Vec b) { return {vmaxq_f32(a.v, b.v)}; }
 inline Vec minimum(Vec a, Vec b) { return {vminq_f32(a.v, b.v)}; }
+// minimum(a, bound) for a bound that is never NaN and never a zero of the other sign than a's
+// (one instruction on x86 too).
+inline Vec minimum_bound(Vec a, Vec bound) { return minimum(a, bound); }
 
 }  // namespace ROUNDPIPE_ISA_NS
 }  // namespace roundpipe

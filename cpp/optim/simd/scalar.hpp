@@ -116,6 +116,9 @@ inline Scalar maximum(Scalar a, Scalar b) {
 inline Scalar minimum(Scalar a, Scalar b) {
   return {(a.v != a.v || a.v < b.v) ? a.v : b.v};
 }
+// minimum(a, bound) for a bound that is never NaN and never a zero of the other sign than a's
+// (the vector ISAs' one-instruction form; the same bits as minimum's).
+inline Scalar minimum_bound(Scalar a, Scalar bound) { return {bound.v < a.v ? bound.v : a.v}; }
 inline Scalar select(bool m, Scalar a, Scalar b) { return m ? a : b; }
 inline Scalar floor(Scalar a) { return {__builtin_floorf(a.v)}; }
 
