@@ -392,6 +392,7 @@ void adafactor_step(const AdafactorOptions& o, const ParamBuffers* tensors, std:
                        static_cast<std::uint32_t>(b), t.param_bf16 + b, x.param);
       if (t.model_copy) isa.store_model_copy(t, x.param, b, n);
     }
+    if (t.model_copy) isa.stream_fence();
   });
 }
 

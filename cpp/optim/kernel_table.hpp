@@ -49,6 +49,7 @@ struct KernelTable {
                      float clip, bool norm, float* out, GradStats& stats);
   void (*store_model_copy)(const ParamBuffers&, const float* param, std::size_t begin,
                            std::size_t n);
+  void (*stream_fence)();  // after a chunk's last store_model_copy
   // Adafactor's reductions and passes besides its update (kernels/adafactor.hpp)
   double (*adafactor_squares)(const float* x, std::size_t n, float* acc);
   double (*adafactor_squares2)(const float* p, const float* g, std::size_t n, float* acc,

@@ -241,6 +241,7 @@ void run_kernel(KernelFn<Coeffs> kernel,
                        t.param_bf16 + b, param);
       if (t.model_copy) isa.store_model_copy(t, x.param, b, n);
     }
+    if (t.model_copy) isa.stream_fence();
     if (io) stats[chunk] = s;
   });
   if (!io) return;

@@ -66,22 +66,35 @@ inline void stage_grad(const ParamBuffers& t, std::size_t begin, std::size_t n, 
     if (clip != 1.0f) stage_with<true>(load, n, inv_scale, clip, norm, out, stats);
     else stage_with<false>(load, n, inv_scale, clip, norm, out, stats);
   };
+  // the source is read ahead as the kernels read theirs (for_range.hpp: prefetch_streams)
   if (!t.grad16) {
     const float* g = t.grad + begin;
-    stage([&](auto tag, std::size_t i) { return decltype(tag)::load(g + i); });
+    stage([&](auto tag, std::size_t i) {
+      prefetch_streams<decltype(tag)>(i, g);
+      return decltype(tag)::load(g + i);
+    });
   } else if (t.grad16_dtype == Dtype::bfloat16) {
     const std::uint16_t* g = t.grad16 + begin;
-    stage([&](auto tag, std::size_t i) { return decltype(tag)::load_bf16(g + i); });
+    stage([&](auto tag, std::size_t i) {
+      prefetch_streams<decltype(tag)>(i, g);
+      return decltype(tag)::load_bf16(g + i);
+    });
   } else {
     const std::uint16_t* g = t.grad16 + begin;
-    stage([&](auto tag, std::size_t i) { return decltype(tag)::load_f16(g + i); });
+    stage([&](auto tag, std::size_t i) {
+      prefetch_streams<decltype(tag)>(i, g);
+      return decltype(tag)::load_f16(g + i);
+    });
   }
 }
 
 // t.model_copy's elements [begin, begin + n) = param[0, n) (those elements of the updated
 // parameter), rounded to t.model_copy_dtype. The copy is a write-only stream: where the ISA has
 // them and the slice is aligned, non-temporal stores write it without first reading its cache
-// lines.
+// lines. The caller orders them with one stream_fence after a chunk's last slice, not one per
+// slice: a fence waits for the write-combining buffers to drain, and per 256-element slice it
+// cost 0.4 ns per element (AdamW, bf16 state, bf16 model copy, one AVX-512 thread: 1.88 ->
+// 1.50 ns per element).
 inline void store_model_copy(const ParamBuffers& t, const float* param, std::size_t begin,
                              std::size_t n) {
   const float* p = param;
@@ -101,8 +114,11 @@ inline void store_model_copy(const ParamBuffers& t, const float* param, std::siz
       if (bf16) x.store_bf16(out + i); else x.store_f16(out + i);
     }
   });
-  if (stream) Vec::stream_fence();
 }
+
+// Orders the non-temporal stores made so far by this thread (store_model_copy's) before its later
+// stores: once per chunk, before the pool reports the chunk done.
+inline void stream_fence() { Vec::stream_fence(); }
 
 }  // namespace ROUNDPIPE_ISA_NS
 }  // namespace roundpipe
