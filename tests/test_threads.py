@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -132,3 +133,33 @@ def test_multiprocessing_fork_during_a_step_leaves_the_child_usable():
             assert proc.exitcode == 0 and queue.get(timeout=10) is True
 
 
+
+
+_EXIT_DURING_A_STEP = """
+import threading, torch, roundpipe.optim as rpo
+p = torch.nn.Parameter(torch.ones(4 * {per_thread}))
+p.grad = torch.full_like(p, 0.5)
+opt = rpo.Adam([p], lr=0.1)
+opt.num_threads = 4
+started = threading.Event()
+
+def steps():
+    while True:
+        opt.step()
+        started.set()
+
+threading.Thread(target=steps, daemon=True).start()
+started.wait(60)
+print("exiting", flush=True)
+"""
+
+
+def test_interpreter_exit_while_a_daemon_thread_is_inside_a_step_ends_the_process_normally():
+    """The main thread returns while a daemon thread keeps stepping on 4 threads: the process
+    must exit with status 0 (no crash in a static destructor, no hang joining the pool)."""
+    code = _EXIT_DURING_A_STEP.format(per_thread=ELEMENTS_PER_THREAD)
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "exiting" in done.stdout
