@@ -92,9 +92,10 @@ class RoundPipe(nn.Module):
             ``"alloc"`` (moved into one registered arena of exactly its size), ``"register"``
             (``cudaHostRegister`` in place) or ``"off"``; when pinning fails, pageable memory
             with a warning. The mode in effect is ``self.pin_memory`` (``"off"`` for CPU).
-        prefetch: CUDA only: upload the next stage's weights while the current one computes
-            (at most two stages of weights resident per device).
-        max_resident_bytes: CUDA only: no prefetch when the current and the next stage's
+        prefetch: upload the next stage's weights while the current one computes (at most
+            two stages of weights resident per device; on the CPU device the same logic runs,
+            with copies that are synchronous).
+        max_resident_bytes: no prefetch when the current and the next stage's
             weights together exceed this many bytes (default: no cap).
         layers: the pipeline's layers, run in order, instead of ``model``'s split (e.g. the
             embeddings, decoder layers and head of a Hugging Face model). ``model`` stays the
@@ -238,10 +239,11 @@ class RoundPipe(nn.Module):
         if self.devices[0].type == "cuda":
             from .transfer.cuda import CudaIO, HostWrites
             writes = HostWrites()
-            self._ios = [CudaIO(d, self._stats, self.prefetch, self._grad_numels, writes)
-                         for d in self.devices]
+            self._ios = [CudaIO(d, self._stats, self.prefetch, self._grad_numels, writes,
+                                pin=self.pin_memory != "off") for d in self.devices]
         else:
-            self._ios = [CpuIO(d, self._stats, self._copies.pool) for d in self.devices]
+            self._ios = [CpuIO(d, self._stats, self._copies.pool, self.prefetch)
+                         for d in self.devices]
         self._call_lock = threading.Lock()
         self._call_owner: Optional[threading.Thread] = None
         self._call_name = ""

@@ -269,13 +269,17 @@ class DeviceIO:
             return
         for i, t in weights.trainable:
             if t.dtype != torch.float32:
-                t.register_post_accumulate_grad_hook(functools.partial(self._add_to_sum, weights, i))
+                # the hook refers to the sums, never to ``weights`` (which holds ``t``): a
+                # tensor's hooks are not seen by Python's cyclic collector, so a cycle through
+                # them would keep the stage's device tensors alive for good
+                t.register_post_accumulate_grad_hook(
+                    functools.partial(self._add_to_sum, weights.grad_sums, i))
 
-    def _add_to_sum(self, weights: StageWeights, i: int, t: torch.Tensor) -> None:
+    def _add_to_sum(self, sums: dict[int, torch.Tensor], i: int, t: torch.Tensor) -> None:
         g, t.grad = t.grad, None
-        total = weights.grad_sums.get(i)
+        total = sums.get(i)
         if total is None:
-            weights.grad_sums[i] = self._new_sum(g)
+            sums[i] = self._new_sum(g)
         else:
             total.add_(g)
 
