@@ -141,6 +141,19 @@ def test_at_most_two_stages_of_weights_and_nothing_after_the_call(uploads, mode,
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_the_bound_follows_an_automatic_plan(uploads, mode):
+    """``layers_per_stage="auto"`` with a budget of about three layers: the planned stages (of
+    several layers) obey the same bound as one-layer stages."""
+    model = RoundPipe(_mlp().to(torch.bfloat16), optim_dtype=torch.float32, device="cpu",
+                      num_microbatch=3, layers_per_stage="auto", memory_budget=60_000)
+    x, y = torch.randn(12, 32).bfloat16(), torch.randn(12, 4)
+    _train(model, mode, 4, x, y, lambda o, t: ((o.float() - t) ** 2).mean())
+    assert 1 < len(model.plan().sizes) < 8 and max(model.plan().sizes) > 1
+    assert uploads.alive("weights") == 0 and uploads.alive("activation") == 0
+    assert uploads.most_alive["weights"] <= 1 and uploads.most_alive["activation"] <= 1
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_hugging_face_lora_model_keeps_nothing_after_the_call(uploads, mode):
     """A tiny Llama with LoRA adapters (frozen base, trainable adapters), bf16, three
     microbatches: the same bound over its embedding, decoder layers and head."""

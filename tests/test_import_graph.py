@@ -28,7 +28,8 @@ LAYERS = [
     ["roundpipe.optim"],                    # the optimizers: usable without the wrapper
     ["roundpipe.transfer"],                 # moving tensors to a device and back
     ["roundpipe.pipeline"],                 # the schedule, stages, passes
-    ["roundpipe.param_copies", "roundpipe.distributed", "roundpipe.optimizer_thread"],
+    ["roundpipe.param_copies", "roundpipe.distributed", "roundpipe.optimizer_thread",
+     "roundpipe.planner", "roundpipe.staging"],  # staging: what the planner is given, measured
     ["roundpipe.steps"],                    # the optimizer side of a call
     ["roundpipe.wrapper"],                  # RoundPipe
     ["roundpipe.checkpoint", "roundpipe.hf"],

@@ -51,9 +51,6 @@ class HFRoundPipe(RoundPipe):
                    for i, (layer, fn) in enumerate(zip(parts.layers, parts.mask_fns))]
         layers.append(Postfix(parts.norm, parts.lm_head, loss_chunk_size))
         check_logits(hf, parts, layers)
-        if routing is not None and routing.coef is not None:
-            _check_last_stage(len(layers), roundpipe_kwargs.get("layers_per_stage", 1),
-                              [i + 1 for i in moe_layers])
         super().__init__(model, optim_dtype, layers=layers, **roundpipe_kwargs)
         disable_gradient_checkpointing(model)
         for modules in routers.values():
@@ -63,6 +60,21 @@ class HFRoundPipe(RoundPipe):
         self.peft_model = peft
         self.loss_chunk_size = loss_chunk_size
         self._routing = routing
+
+    def _last_stage_fence(self, layers: list[nn.Module]) -> tuple[int, str]:
+        """With the router auxiliary loss on, no MoE decoder layer may be in the last stage:
+        the loss needs the whole forward pass's routing before its backward (see
+        :mod:`roundpipe.hf.moe`)."""
+        moe_layers = [i for i, layer in enumerate(layers)
+                      if isinstance(layer, Decoder) and layer.routing is not None
+                      and layer.routing.coef is not None]
+        if not moe_layers:
+            return 0, ""
+        return max(moe_layers) + 1, (
+            f"layer {max(moe_layers)} is a MoE layer, and its router auxiliary loss needs the "
+            "whole forward pass before its backward, so the last stage must hold only the "
+            "layers after it (the postfix); choose a plan whose last stage starts there (e.g. "
+            "layers_per_stage=1, or 'auto')")
 
     def __getattr__(self, name: str) -> Any:
         """Attributes not of the wrapper come from the wrapped model (``config``,
@@ -320,17 +332,3 @@ def _find_moe(hf: nn.Module, parts: Parts):
             if getattr(config, "output_router_logits", False) else None)
     num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts")
     return RoutingState(int(num_experts), coef), routers
-
-
-def _check_last_stage(num_layers: int, layers_per_stage: Any, moe_layers: list) -> None:
-    """With the auxiliary loss, no MoE layer may be in the last stage (see roundpipe.hf.moe)."""
-    if not isinstance(layers_per_stage, int) or layers_per_stage < 1:
-        return  # RoundPipe reports it
-    last_start = (num_layers - 1) // layers_per_stage * layers_per_stage
-    if any(i >= last_start for i in moe_layers):
-        raise ValueError(
-            f"wrap_model_to_roundpipe: with layers_per_stage={layers_per_stage} the last stage "
-            f"(layers {last_start}..{num_layers - 1}, the postfix included) holds a MoE layer; "
-            "its router auxiliary loss needs the whole forward pass before its backward. Choose "
-            f"layers_per_stage so that (number of layers {num_layers} - 1) is a multiple of it, "
-            "e.g. 1")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -186,6 +187,15 @@ class DeviceIO:
     def collect(self) -> dict[str, float]:
         """Device-side timings measured since the last call (seconds), by stats key."""
         return {}
+
+    def mark(self) -> Any:
+        """A point in the device's work issued so far (to measure what runs between two)."""
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """The device's seconds between two :meth:`mark` s, once the work between them is
+        done (after the pass)."""
+        return end - start
 
     # --- what every device type shares --------------------------------------------------------
 

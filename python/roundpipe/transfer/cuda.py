@@ -507,6 +507,16 @@ class CudaIO(DeviceIO):
         seconds = a.elapsed_time(b) / 1e3
         self._totals["weights_wait_s" if kind == "wait" else "upload_s"] += seconds
 
+    def mark(self) -> Any:
+        """A timing event recorded on the compute stream."""
+        event = self._event(True)
+        event.record(self.compute)
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
     def collect(self) -> dict[str, float]:
         timings, self._timings = self._timings, []
         for t in timings:
