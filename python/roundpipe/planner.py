@@ -94,6 +94,8 @@ class StagePlan:
             when unknown.
         budget_bytes: the device-memory budget it was planned under (None: none).
         reason: in words, where the plan comes from.
+        kept: the plan is no longer revised from measurements (a fixed plan, or an automatic
+            one that settled).
     """
 
     sizes: tuple[int, ...]
@@ -101,6 +103,7 @@ class StagePlan:
     stage_bytes: tuple[int, ...] = ()
     budget_bytes: Optional[int] = None
     reason: str = ""
+    kept: bool = False
 
     @property
     def starts(self) -> tuple[int, ...]:

@@ -153,7 +153,8 @@ class Staging:
                 raise ValueError(
                     f"RoundPipe: with layers_per_stage={layers_per_stage!r} the last stage "
                     f"starts at layer {last}, before layer {min_last_start}: {fence_reason}")
-            self.plan = StagePlan(fixed, reason=f"layers_per_stage={layers_per_stage!r} (fixed)")
+            self.plan = StagePlan(fixed, reason=f"layers_per_stage={layers_per_stage!r} (fixed)",
+                                  kept=True)
         self.static = [_layer_bytes(layer) for layer in layers]
         self.meter = LayerMeter(self.num_layers)
         self.settled = not self.auto
@@ -212,10 +213,11 @@ class Staging:
                 self.settled = True
         if plan.sizes == self.plan.sizes:
             self.plan = replace(self.plan, predicted_s=plan.predicted_s,
-                                stage_bytes=plan.stage_bytes, reason=plan.reason)
+                                stage_bytes=plan.stage_bytes, reason=plan.reason,
+                                kept=self.settled)
             return None
-        self.plan = plan
-        return plan
+        self.plan = replace(plan, kept=self.settled)
+        return self.plan
 
     def costs(self, num_microbatch: int, elements: int) -> list[LayerCost]:
         """Every layer's :class:`LayerCost` for microbatches of ``elements`` elements."""
