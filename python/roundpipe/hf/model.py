@@ -170,9 +170,17 @@ class HFRoundPipe(RoundPipe):
 
         Raises:
             TypeError: no ``loss_fn`` and no ``labels``; ``input_args`` without ``loss_fn``
-                (pass keyword arguments); an unsupported keyword argument;
+                (pass keyword arguments), or a tensor as ``input_args``
+                (``forward_backward(ids)``); an unsupported keyword argument;
                 ``return_outputs=True`` without ``loss_fn``.
         """
+        if isinstance(input_args, torch.Tensor):
+            # forward_backward(ids): `if input_args` would be torch's "Boolean value of Tensor
+            # ... is ambiguous"; say what to write instead
+            raise TypeError("RoundPipe.forward_backward: got a tensor as its first positional "
+                            "argument (input_args); pass the model inputs by keyword: "
+                            "forward_backward(input_kwargs={'input_ids': ids, 'labels': ids}) for "
+                            "HF's loss, or input_args=(ids,) with a loss_fn")
         kwargs = dict(input_kwargs or {})
         if loss_fn is not None:
             if "labels" in kwargs:
