@@ -113,7 +113,12 @@ class StepProxy(torch.optim.Optimizer):
         return self.real.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        """The real optimizer's ``load_state_dict``; torch's replaces its ``param_groups`` and
+        ``state`` objects, which the proxy then shares again (an LR scheduler stepping the
+        proxy's groups would otherwise no longer reach the real optimizer)."""
         self.real.load_state_dict(state_dict)
+        self.param_groups = self.real.param_groups
+        self.state = self.real.state
 
     def __repr__(self) -> str:
         return f"StepProxy({self.real!r})"
@@ -304,11 +309,9 @@ class RoundPipeTrainerMixin:
                             "trainer.model.optim_parameters() (or optim_named_parameters()), or "
                             "let the trainer build it from TrainingArguments.optim")
         else:
-            decay = set(self.get_decay_parameter_names(rp.module))
-            named = [(n, p) for n, p in rp.optim_named_parameters() if p.requires_grad]
-            groups = [{"params": [p for n, p in named if n in decay],
-                       "weight_decay": self.args.weight_decay},
-                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            decay, no_decay = self._rp_param_groups()
+            groups = [{"params": decay, "weight_decay": self.args.weight_decay},
+                      {"params": no_decay, "weight_decay": 0.0}]
             if self.optimizer_cls_and_kwargs is not None:
                 cls, kwargs = self.optimizer_cls_and_kwargs
             else:
@@ -316,6 +319,17 @@ class RoundPipeTrainerMixin:
             real = cls(groups, **kwargs)
         self.optimizer = StepProxy(real, self)
         return self.optimizer
+
+    def _rp_param_groups(self) -> list[list[torch.Tensor]]:
+        """The optimizer copies of Trainer's two param groups (decay, no decay: Trainer's
+        ``get_decay_parameter_names`` on the HF model's names), or the groups of an optimizer
+        given as ``optimizers=``."""
+        if self.optimizer is not None:
+            real = getattr(self.optimizer, "real", self.optimizer)
+            return [list(g["params"]) for g in real.param_groups]
+        decay = set(self.get_decay_parameter_names(self.model.module))
+        named = [(n, p) for n, p in self.model.optim_named_parameters() if p.requires_grad]
+        return [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
 
     def _clip_grad_norm(self, model) -> torch.Tensor:
         """Clipping happens inside RoundPipe's step; returns the tensor that receives its
@@ -471,22 +485,43 @@ class RoundPipeTrainerMixin:
         """Nothing: the grad scaler's state is in the RoundPipe checkpoint."""
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """Checks that the folder holds a RoundPipe checkpoint; the weights are loaded with the
-        optimizer (:meth:`_load_optimizer_and_scheduler`)."""
-        if not os.path.isdir(os.path.join(resume_from_checkpoint, STATE_DIR)):
-            raise ValueError(f"RoundPipeTrainer: {resume_from_checkpoint!r} holds no {STATE_DIR} "
-                             "folder: it was not written by a RoundPipe trainer (resume needs the "
-                             "full-precision weights and optimizer state it holds)")
+        """A RoundPipe checkpoint (a ``roundpipe_state`` folder): checked here, its weights
+        loaded with the optimizer (:meth:`_load_optimizer_and_scheduler`). A plain Trainer
+        checkpoint (model weights and ``optimizer.pt``, see :mod:`roundpipe.hf.plain_checkpoint`):
+        checked and its weights loaded into both copies here, its optimizer state converted
+        there. Anything else raises ``ValueError`` saying how to start from its weights."""
+        self._rp_plain = None
+        if os.path.isdir(os.path.join(resume_from_checkpoint, STATE_DIR)):
+            return
+        from . import plain_checkpoint
+
+        if not plain_checkpoint.is_plain(resume_from_checkpoint):
+            raise ValueError(f"RoundPipeTrainer: {resume_from_checkpoint!r} holds neither a "
+                             f"{STATE_DIR} folder (a RoundPipe trainer's checkpoint) nor the "
+                             "model weights and optimizer.pt of a plain Trainer checkpoint")
+        self._rp_plain = plain_checkpoint.read(resume_from_checkpoint, self.model)
+        plain_checkpoint.check_optimizer(self._rp_plain, self._rp_param_groups())
+        self.model.load_state_dict(self._rp_plain.weights, strict=False)
+        self._rp_plain.weights = None
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         """Weights, optimizer and grad scaler from :func:`roundpipe.load_checkpoint` (any world
-        size), the scheduler as Trainer reads it."""
+        size), or the optimizer state of a plain Trainer checkpoint converted; the scheduler as
+        Trainer reads it."""
         if checkpoint is None:
             return
-        extra = load_checkpoint(os.path.join(checkpoint, STATE_DIR), self.model,
-                                self.optimizer.real)
-        if self._rp_scaler is not None and extra.get("grad_scaler"):
-            self._rp_scaler.load_state_dict(extra["grad_scaler"])
+        plain = self.__dict__.pop("_rp_plain", None)
+        if plain is not None:
+            from . import plain_checkpoint
+
+            plain_checkpoint.check_optimizer(plain, [g["params"] for g in
+                                                     self.optimizer.real.param_groups])
+            self.optimizer.load_state_dict(plain.optimizer)
+        else:
+            extra = load_checkpoint(os.path.join(checkpoint, STATE_DIR), self.model,
+                                    self.optimizer.real)
+            if self._rp_scaler is not None and extra.get("grad_scaler"):
+                self._rp_scaler.load_state_dict(extra["grad_scaler"])
         path = os.path.join(checkpoint, _SCHEDULER_NAME)
         if os.path.isfile(path):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
