@@ -39,12 +39,15 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..grad_scaler import GradScaler
 from ..torch_private import init_hook_registries
 from ..wrapper import RoundPipe
-from .loss import count_items
+from .loss import TokenStats, count_items, token_stats
 
 STEP_MODES = ("sync", "exact", "async")
 STATE_DIR = "roundpipe_state"  # inside a Trainer checkpoint folder: roundpipe.save_checkpoint's
 _SCHEDULER_NAME = "scheduler.pt"
 _INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels")
+# what a padding-free collator (TRL's) adds for varlen kernels: the sequence boundaries that
+# position_ids already give (transformers' mask functions, roundpipe.hf.packed read them there)
+_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 # TrainingArguments.optim values and the roundpipe.optim class they become
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_npu_fused",
@@ -67,6 +70,13 @@ _REFUSED = (
     ("label_smoothing_factor", "label smoothing needs the full logits; RoundPipe's loss is "
                                "HF's causal-LM cross-entropy computed in chunks"),
 )
+
+
+def _roundpipe_class(cls: type) -> str:
+    """The name of the first of ``cls``'s classes defined by RoundPipe (RoundPipeTrainer,
+    RoundPipeSFTTrainer), for messages: what the user constructed, or what it derives from."""
+    return next((c.__name__ for c in cls.__mro__ if c.__module__.startswith("roundpipe.")
+                 and not c.__name__.startswith("_")), cls.__name__)
 
 
 def _set(value: Any) -> bool:
@@ -187,7 +197,6 @@ class RoundPipeTrainerMixin:
         self._rp_mode = mode
         self._rp_scaler: Optional[GradScaler] = None
         self._rp_norm: Optional[torch.Tensor] = None
-        self._rp_metric_warned = False
         super().__init__(*pos, **kwargs)
         if self.args.fp16:
             self._rp_scaler = GradScaler()
@@ -195,8 +204,8 @@ class RoundPipeTrainerMixin:
 
     # --- arguments -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_arguments(args: Any) -> None:
+    @classmethod
+    def _check_arguments(cls, args: Any) -> None:
         """Refuses (ValueError naming the argument) what cannot combine with RoundPipe; warns
         and switches off what RoundPipe already does. Runs before the model is wrapped."""
         for name, reason in _REFUSED:
@@ -214,7 +223,7 @@ class RoundPipeTrainerMixin:
         on = [n for n in ("activation_checkpointing", "gradient_checkpointing")
               if getattr(args, n, None)]
         if on:
-            warnings.warn(f"RoundPipeTrainer: {'/'.join(on)}=True is switched off: RoundPipe "
+            warnings.warn(f"{_roundpipe_class(cls)}: {'/'.join(on)}=True is switched off: RoundPipe "
                           "already recomputes every layer in the backward pass (HF's "
                           "checkpointing would recompute a second time)", UserWarning, stacklevel=4)
             with warnings.catch_warnings():
@@ -388,7 +397,8 @@ class RoundPipeTrainerMixin:
         out = {}
         for k, v in inputs.items():
             if k not in _INPUT_KEYS:
-                if v is None or k in ("use_cache", "return_dict"):
+                if v is None or k in ("use_cache", "return_dict") or (
+                        k in _BOUNDARY_KEYS and inputs.get("position_ids") is not None):
                     continue
                 raise TypeError(f"RoundPipeTrainer.{where}: the batch holds {k!r}, which the "
                                 "RoundPipe HF model does not take (it takes "
@@ -451,8 +461,10 @@ class RoundPipeTrainerMixin:
         num = self._get_num_items_in_batch([inputs], self.args.device)
         if prediction_loss_only and getattr(rp, "_routing", None) is None:
             with torch.no_grad():
-                sums = RoundPipe.forward(rp, **batch)
-            total = sums.sum() if sums.dim() else sums
+                sums = RoundPipe.forward(rp, **batch)    # each microbatch's Postfix sums
+            total = sums["loss"].sum()
+            self._rp_eval_stats(TokenStats(int(count_items(labels)), int(sums["top1"].sum()),
+                                           float(sums["entropy"].sum())))
             denom = float(num) if num is not None else float(count_items(labels))
             loss = total.float() / denom
             logits = None
@@ -462,12 +474,18 @@ class RoundPipeTrainerMixin:
             with torch.no_grad():
                 out = rp(**batch, **kw)
             loss, logits = out.loss, out.logits
+            self._rp_eval_stats(token_stats(logits, labels))
         if self.args.average_tokens_across_devices and num is not None:
             loss = loss * self.accelerator.num_processes
         loss = loss.detach().to(self.args.device)
         if prediction_loss_only:
             return loss, None, None
         return loss, logits, labels
+
+    def _rp_eval_stats(self, stats: TokenStats) -> None:
+        """An evaluation batch's :class:`~roundpipe.hf.loss.TokenStats`, for a subclass that
+        logs them (RoundPipeSFTTrainer: TRL's ``eval_mean_token_accuracy``, ``eval_entropy``);
+        nothing here."""
 
     # --- checkpoints ----------------------------------------------------------------------------
 
@@ -572,7 +590,7 @@ class _WrapModel(Trainer):
     def __init__(self, model=None, args=None, *rest: Any, **kwargs: Any) -> None:
         if args is None:
             raise TypeError("RoundPipeTrainer: give args (TrainingArguments)")
-        RoundPipeTrainerMixin._check_arguments(args)
+        self._check_arguments(args)
         model = self._to_roundpipe(model, args)
         super().__init__(model, args, *rest, **kwargs)
 
