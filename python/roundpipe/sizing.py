@@ -175,40 +175,26 @@ class Geometry:
             qk_norm=kind == "qwen3")
 
 
-def _config(model_type: str, **fields) -> dict:
-    return {"model_type": model_type, **fields}
-
-
-#: built-in geometries: the config.json fields of the published checkpoints
-BUILTIN = {
-    "llama2-7b": ("Llama 2 7B", _config(
-        "llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32)),
-    "mistral-7b": ("Mistral 7B v0.1", _config(
-        "mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)),
-    "llama3-8b": ("Llama 3.1 8B", _config(
-        "llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)),
-    "qwen3-8b": ("Qwen3 8B", _config(
-        "qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128)),
-    "qwen2.5-14b": ("Qwen2.5 14B", _config(
-        "qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824,
-        num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8)),
-    "qwen3-14b": ("Qwen3 14B", _config(
-        "qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=17408,
-        num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, head_dim=128)),
-    "qwen2.5-32b": ("Qwen2.5 32B", _config(
-        "qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
-        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8)),
-    "qwen3-32b": ("Qwen3 32B", _config(
-        "qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
-        num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128)),
-    "llama3-70b": ("Llama 3.1 70B", _config(
-        "llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)),
+# built-in geometries: the config.json fields of the published checkpoints, as
+# (title, model_type, vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+#  num_attention_heads, num_key_value_heads, head_dim or None: hidden_size / heads)
+_PUBLISHED = {
+    "llama2-7b": ("Llama 2 7B", "llama", 32000, 4096, 11008, 32, 32, 32, None),
+    "mistral-7b": ("Mistral 7B v0.1", "mistral", 32000, 4096, 14336, 32, 32, 8, None),
+    "llama3-8b": ("Llama 3.1 8B", "llama", 128256, 4096, 14336, 32, 32, 8, None),
+    "qwen3-8b": ("Qwen3 8B", "qwen3", 151936, 4096, 12288, 36, 32, 8, 128),
+    "qwen2.5-14b": ("Qwen2.5 14B", "qwen2", 152064, 5120, 13824, 48, 40, 8, None),
+    "qwen3-14b": ("Qwen3 14B", "qwen3", 151936, 5120, 17408, 40, 40, 8, 128),
+    "qwen2.5-32b": ("Qwen2.5 32B", "qwen2", 152064, 5120, 27648, 64, 40, 8, None),
+    "qwen3-32b": ("Qwen3 32B", "qwen3", 151936, 5120, 25600, 64, 64, 8, 128),
+    "llama3-70b": ("Llama 3.1 70B", "llama", 128256, 8192, 28672, 80, 64, 8, None),
 }
+_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+           "num_attention_heads", "num_key_value_heads", "head_dim")
+
+#: built-in name -> (title, its config.json fields)
+BUILTIN = {key: (title, {k: v for k, v in zip(_FIELDS, values) if v is not None})
+           for key, (title, *values) in _PUBLISHED.items()}
 
 
 def geometry(model: str) -> Geometry:
