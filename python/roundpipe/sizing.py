@@ -78,7 +78,7 @@ IN_FLIGHT_DOWNLOADS = 2     # downloaded gradient sums on the host at once
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-# --- the model's geometry --------------------------------------------------------------------------
+# --- the model's geometry ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Geometry:
@@ -216,7 +216,7 @@ def geometry(model: str) -> Geometry:
         return Geometry.from_config(json.load(f), model)
 
 
-# --- configurations and the machine -------------------------------------------------------------
+# --- configurations and the machine ----------------------------------------------------------
 
 @dataclass(frozen=True)
 class Method:

@@ -223,8 +223,8 @@ class RoundPipeTrainerMixin:
         on = [n for n in ("activation_checkpointing", "gradient_checkpointing")
               if getattr(args, n, None)]
         if on:
-            warnings.warn(f"{_roundpipe_class(cls)}: {'/'.join(on)}=True is switched off: RoundPipe "
-                          "already recomputes every layer in the backward pass (HF's "
+            warnings.warn(f"{_roundpipe_class(cls)}: {'/'.join(on)}=True is switched off: "
+                          "RoundPipe already recomputes every layer in the backward pass (HF's "
                           "checkpointing would recompute a second time)", UserWarning, stacklevel=4)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # the deprecated alias
