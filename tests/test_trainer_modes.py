@@ -69,6 +69,33 @@ def test_a_plain_trainer_checkpoint_resumes_with_its_weights_and_optimizer_state
         torch.testing.assert_close(got_sd[name], t, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_plain_trainer_checkpoint_of_a_lora_model_resumes(tmp_path):
+    """A PEFT model's checkpoint holds the adapter (its names without the adapter's name) and
+    the optimizer state of the adapters only."""
+    peft = pytest.importorskip("peft")
+
+    def lora_model():
+        return peft.get_peft_model(tc.make_model("llama"), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+    def train(cls, out, resume=None, **extra):
+        reset_accelerate()
+        trainer = cls(model=lora_model(), args=tc.training_args(
+            out, save_strategy="steps", save_steps=10, eval_strategy="no"),
+            train_dataset=tc.TokenData(48), **extra)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    ref = train(transformers.Trainer, tmp_path / "ref")
+    checkpoint = tmp_path / "ref" / "checkpoint-10"
+    assert (checkpoint / "adapter_model.safetensors").is_file()
+    resumed = train(RoundPipeTrainer, tmp_path / "ours", resume=str(checkpoint),
+                    roundpipe_kwargs={"num_microbatch": 2, "device": "cpu"})
+    got = [h for h in tc.train_logs(resumed.state.log_history) if h["step"] > 10]
+    want = [h for h in tc.train_logs(ref.state.log_history) if h["step"] > 10]
+    assert_same_logs(got, want)
+
+
 def test_a_checkpoint_without_optimizer_state_is_refused_with_the_way_forward(tmp_path):
     run_plain("llama", tmp_path / "ref", max_steps=2, save_strategy="steps", save_steps=2,
               eval_strategy="no")

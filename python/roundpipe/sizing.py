@@ -40,9 +40,9 @@ pipeline's layers: the embeddings, each decoder layer, the final norm with ``lm_
   gradients that exist alongside at the backward's peak; for the last stage the chunked loss's
   fp32 logits and their gradient, ``2 * 4 * loss_chunk * vocab`` bytes.
 
-This is the bound the pipeline is built to keep; it has not been measured on a GPU for these
-models (the first GPU run showed the pipeline above its bound, see docs/overlap.md), so read
-it as what a model needs, not a guarantee.
+This is the bound the pipeline is built to keep (docs/overlap.md), not a measurement: the
+first run on a GPU (an H200) held more than it, and no 24 GB card has been measured; read it as
+what a model needs, not a guarantee.
 
 **Tokens/s bound** of an optimizer step of ``batch * seq * accumulation`` tokens, overlapped
 (the step time is the largest of the three): the GPU's matmuls (8 FLOPs per parameter and
@@ -535,13 +535,13 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the built-in geometries")
     ap.add_argument("--docs-table", action="store_true",
                     help="print docs/sizing.md's table (its models, 24 GB, 64/128/256 GB)")
-    ap.add_argument("--gpu", type=parse_bytes, default=m.gpu_bytes, metavar="SIZE",
+    ap.add_argument("--gpu", type=parse_bytes, default=f"{m.gpu_bytes / GIB:g}GB", metavar="SIZE",
                     help="GPU memory (24GB: an RTX 3090/4090)")
-    ap.add_argument("--host", type=parse_bytes, default=m.host_bytes, metavar="SIZE",
+    ap.add_argument("--host", type=parse_bytes, default=f"{m.host_bytes / GIB:g}GB", metavar="SIZE",
                     help="host RAM")
-    ap.add_argument("--host-reserve", type=parse_bytes, default=m.host_reserve, metavar="SIZE",
+    ap.add_argument("--host-reserve", type=parse_bytes, default=f"{m.host_reserve / GIB:g}GB", metavar="SIZE",
                     help="host RAM kept for the OS and the process's fixed costs (an allowance)")
-    ap.add_argument("--fixed-device", type=parse_bytes, default=m.fixed_device, metavar="SIZE",
+    ap.add_argument("--fixed-device", type=parse_bytes, default=f"{m.fixed_device / GIB:g}GB", metavar="SIZE",
                     help="device memory besides the pipeline's bound: CUDA context, cuBLAS "
                          "workspaces, allocator slack (an allowance)")
     ap.add_argument("--pcie-gbps", type=float, default=m.pcie_gbps,
