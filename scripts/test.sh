@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Sets everything up and runs every test: the GoogleTest suite natively (ctest) and under
 # emulated CPUs (scripts/test_emulated.sh: AVX2-only, no-AVX and AArch64), the C++ install and
-# a find_package consumer (scripts/test_install.sh), then pytest.
+# a find_package consumer (scripts/test_install.sh), then pytest (with the benchmark peers of
+# requirements-peers.txt on PYTHONPATH).
 # Exits non-zero if any test fails or if a runner ran no test.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh --tests qemu-user g++-aarch64-linux-gnu
+bash scripts/setup.sh --tests --peers qemu-user g++-aarch64-linux-gnu
 
 echo "== ctest (native)"
 .venv/bin/ctest --test-dir build/py --output-on-failure --no-tests=error
@@ -14,4 +15,6 @@ bash scripts/test_emulated.sh
 bash scripts/test_install.sh
 
 echo "== pytest"
-.venv/bin/python -m pytest tests
+# the benchmark peers (requirements-peers.txt) for their benchmark's tests and as references,
+# from outside the user's environment
+PYTHONPATH=.venv/peers${PYTHONPATH:+:$PYTHONPATH} .venv/bin/python -m pytest tests

@@ -159,8 +159,10 @@ class Decoder(nn.Module):
 
 class Postfix(nn.Module):
     """Last layer: final norm, then either the logits (no labels in the state: ``(B, S, V)``, as
-    HF's ``logits``) or the summed cross-entropy of the microbatch computed in chunks of
-    ``chunk_size`` tokens without the logits (fp32, 0-dim; see :mod:`.loss`)."""
+    HF's ``logits``) or, computed in chunks of ``chunk_size`` tokens without the logits (see
+    :mod:`.loss`), the microbatch's sums as a dict: ``loss`` the summed cross-entropy (fp32,
+    0-dim, differentiable), ``top1`` the scored tokens whose target is the top-1 logit (int64)
+    and ``entropy`` their summed entropy (fp32), both 0-dim without gradient."""
 
     def __init__(self, norm: nn.Module, lm_head: nn.Linear, chunk_size: int) -> None:
         super().__init__()
@@ -179,8 +181,10 @@ class Postfix(nn.Module):
 
                 hidden = slice_logits_to_keep(hidden, keep)
             return self.lm_head(hidden)
-        return chunked_cross_entropy_sum(hidden, self.lm_head.weight, self.lm_head.bias,
-                                         state["labels"], self.chunk_size)
+        loss, top1, entropy = chunked_cross_entropy_sum(
+            hidden, self.lm_head.weight, self.lm_head.bias, state["labels"], self.chunk_size,
+            with_stats=True)
+        return {"loss": loss, "top1": top1, "entropy": entropy}
 
 
 class RoutingState:
