@@ -172,6 +172,17 @@ def _output(model, logits: torch.Tensor, labels, cache):
     return cls(**out)
 
 
+def _cache_kwarg() -> str:
+    """The keyword transformers' ``generate`` keeps its cache under: ``"cache"`` where its
+    ``ALL_CACHE_NAMES`` starts with it (the rename of 5.24), else ``"past_key_values"``
+    (5.9 - 5.23). Given the other name, ``generate`` would make a ``DynamicCache`` of its own
+    and pass that to the forward instead."""
+    from transformers.generation import utils
+
+    names = getattr(utils, "ALL_CACHE_NAMES", None) or ["past_key_values"]
+    return names[0]
+
+
 def _forward_for(model):
     """The function ``generate`` puts in place of the wrapped transformers model's forward:
     the signature transformers inspects (``attention_mask``, ``position_ids``,
@@ -292,7 +303,7 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
         elif cache is not None:
             cache.prefill_chunk_size = chunk
         if cache is not None:
-            kwargs["cache"] = cache
+            kwargs[_cache_kwarg()] = cache
         modes = [(m, m.training) for m in model.module.modules()]
         previous = hf.__dict__.get("forward")
         hf.forward = _forward_for(model)

@@ -90,6 +90,8 @@ class PipelineLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1 if self.sliding_window is None else self.sliding_window
 
+    get_max_cache_shape = get_max_length  # its name before transformers 5.13
+
     def reset(self) -> None:
         self.parts = []
 
