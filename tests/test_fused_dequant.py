@@ -1,0 +1,179 @@
+"""The fused dequantization kernel (issue 34 item 1: roundpipe.fused_dequant, one torch.compile'd
+kernel per format and dtype) and the dequantization of a quantized base once per stage visit,
+right after its upload (roundpipe.quant.dequantize_uploaded).
+
+The kernel is what CUDA runs (Triton); here torch.compile generates C++ from the same graph
+(``ROUNDPIPE_DEQUANT=compiled`` forces it on the CPU). References are independent of the code
+under test: the float64 computation of the published formats written here (the exact product
+of code-book value and scale, rounded to float32, then by torch to the output dtype), as in
+tests/test_dequant.py; the torch-op path must give the same bits too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roundpipe import fused_dequant, quant
+from roundpipe.quant import dequantize, dequantize_torch, quantize
+
+from quant_reference import PUBLISHED_NF4
+
+
+def published_dynamic() -> torch.Tensor:
+    """The signed dynamic map (bitsandbytes' create_dynamic_map(signed=True)) written from its
+    definition: 0, 1 and per decade i the midpoints of linspace(0.1, 1, 2^i + 1) (float32)
+    times 10^(i-6), and their negatives; float64 of the float32 values, ascending."""
+    values = [0.0, 1.0]
+    for i in range(7):
+        edges = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        mids = (edges[:-1] + edges[1:]) / 2
+        values += (mids * 10.0 ** (i - 6)).tolist() + (mids * -(10.0 ** (i - 6))).tolist()
+    return torch.tensor(sorted(values), dtype=torch.float32).double()
+
+
+def float64_reference(kind: str, codes, scales, shape, dtype) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    nb = -(-n // 64)
+    if kind == "int8":
+        values = codes.double()
+        absmax = scales.double()
+    else:
+        book = torch.tensor(PUBLISHED_NF4, dtype=torch.float64)
+        values = book[torch.stack((codes.long() // 16, codes.long() % 16), -1).reshape(-1)]
+        if kind == "nf4":
+            absmax = scales.double()
+        else:  # bytes: nb codes, padding to 4, float32 scale per 256 blocks, float32 offset
+            q = scales[:nb].long()
+            floats = scales[-(-nb // 4) * 4:].view(torch.float32)
+            scale = floats[:-1].double().repeat_interleave(256)[:nb]
+            product = (published_dynamic()[q] * scale).float()  # exact, rounded once
+            absmax = (product + floats[-1]).double()          # float32 add: rounded again
+    exact = values.view(-1, 64) * absmax[:, None]  # 24 x 24 bits: exact in float64
+    return exact.reshape(-1)[:n].float().to(dtype).view(shape)
+
+
+def weight(shape, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * torch.logspace(-3, 2, shape[-1])
+    w.view(-1)[64:128] = 0.0  # an all-zero block
+    return w
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits), b.view(bits))
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    monkeypatch.setenv(fused_dequant.ENV, "compiled")
+
+
+@pytest.mark.parametrize("kind, dtype", [("nf4", torch.bfloat16), ("nf4", torch.float16),
+                                         ("nf4", torch.float32), ("nf4-dq", torch.bfloat16),
+                                         ("nf4-dq", torch.float16), ("int8", torch.bfloat16),
+                                         ("int8", torch.float16)])
+def test_compiled_kernel_equals_the_float64_reference_and_the_torch_ops(kind, dtype, compiled):
+    """Shapes with a partial last block and 1100 blocks (5 blocks of nf4-dq's second level):
+    the compiled kernel (checked against the torch ops on its probe first), the float64
+    reference and the torch-op path agree bit for bit, for every size with one compilation."""
+    for shape, seed in (((37, 53), 1), ((550, 128), 2), ((3, 1000), 3)):
+        w = weight(shape, seed)
+        codes, scales = quantize(w, kind)
+        got = dequantize(codes, scales, kind, shape, dtype)
+        want = float64_reference(kind, codes, scales, shape, dtype)
+        assert same_bits(got, want), (kind, dtype, shape)
+        expanded = (quant.expand_absmax(scales, -(-w.numel() // 64)) if kind == "nf4-dq"
+                    else scales)
+        assert same_bits(dequantize_torch(codes, expanded, kind, shape, dtype), want)
+    fn = fused_dequant.kernel(kind, dtype, torch.device("cpu"), {}, None)
+    assert fn is not None  # cached: the same checked kernel, no second probe
+
+
+def broken_compile(kind, dtype):
+    """What compile_body gives where no compiler runs: torch.compile with a backend that fails
+    (as inductor does without Triton or a C++ compiler)."""
+
+    def no_compiler(gm, example_inputs):
+        raise RuntimeError("no compiler on this machine")
+
+    compiled = torch.compile(fused_dequant.BODIES[kind], backend=no_compiler, dynamic=True,
+                             fullgraph=True)
+    return lambda *args: compiled(*args, dtype)
+
+
+def off_by_one_ulp(kind, dtype):
+    """A kernel that compiles but is wrong by one unit in the last place somewhere."""
+    body = fused_dequant.BODIES[kind]
+
+    def wrong(*args):
+        out = body(*args, dtype).clone()
+        out.view(torch.int16)[7] += 1
+        return out
+
+    return wrong
+
+
+@pytest.fixture
+def fresh_kernels():
+    fused_dequant.clear()
+    yield
+    fused_dequant.clear()
+
+
+@pytest.mark.parametrize("make, why", [(broken_compile, "could not be compiled"),
+                                       (off_by_one_ulp, "differs from the torch-op path")])
+def test_the_torch_ops_are_chosen_where_the_kernel_fails(make, why, monkeypatch, fresh_kernels):
+    """auto (what a CUDA device gets): the fallback, with one warning saying why, and the
+    dequantized values are the torch ops'; compiled: a RuntimeError naming the variable."""
+    monkeypatch.setattr(fused_dequant, "compile_body", make)
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(fused_dequant.ENV, "auto")
+    with pytest.warns(UserWarning, match=why):
+        assert fused_dequant.kernel("nf4", torch.bfloat16, cpu, quant._TABLES,
+                                    quant._torch_ops) is None
+    with warnings_as_errors():  # decided once: no second compilation, no second warning
+        assert fused_dequant.kernel("nf4", torch.bfloat16, cpu, quant._TABLES,
+                                    quant._torch_ops) is None
+    w = weight((9, 64), 0)
+    codes, scales = quantize(w, "nf4")
+    monkeypatch.setenv(fused_dequant.ENV, "compiled")
+    with pytest.raises(RuntimeError, match=f"ROUNDPIPE_DEQUANT=compiled.*{why}"):
+        dequantize(codes, scales, "nf4", w.shape, torch.bfloat16)
+
+
+class warnings_as_errors:
+    def __enter__(self):
+        import warnings
+        self._cm = warnings.catch_warnings()
+        self._cm.__enter__()
+        warnings.simplefilter("error")
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+def test_which_path_each_mode_takes(monkeypatch, fresh_kernels):
+    """auto on the CPU: the SIMD kernels, never a compilation; torch: the torch ops, on the CPU
+    too; an unknown value: ValueError naming the variable."""
+    w = weight((5, 128), 4)
+    codes, scales = quantize(w, "int8")
+    calls = []
+    monkeypatch.setattr(fused_dequant, "compile_body",
+                        lambda kind, dtype: calls.append(kind) or broken_compile(kind, dtype))
+    simd = quant._C.dequantize_int8
+    monkeypatch.setattr(quant._C, "dequantize_int8",
+                        lambda *a: calls.append("simd") or simd(*a))
+    monkeypatch.delenv(fused_dequant.ENV, raising=False)
+    want = float64_reference("int8", codes, scales, w.shape, torch.bfloat16)
+    assert same_bits(dequantize(codes, scales, "int8", w.shape, torch.bfloat16), want)
+    assert calls == ["simd"]
+    monkeypatch.setenv(fused_dequant.ENV, "torch")
+    assert same_bits(dequantize(codes, scales, "int8", w.shape, torch.bfloat16), want)
+    assert calls == ["simd"]
+    monkeypatch.setenv(fused_dequant.ENV, "Compiled")
+    with pytest.raises(ValueError, match="ROUNDPIPE_DEQUANT"):
+        dequantize(codes, scales, "int8", w.shape, torch.bfloat16)
