@@ -11,11 +11,17 @@ tests/test_dequant.py; the torch-op path must give the same bits too.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
+from torch import nn
 
+import roundpipe
 from roundpipe import fused_dequant, quant
-from roundpipe.quant import dequantize, dequantize_torch, quantize
+from roundpipe.quant import QuantizedLinear, dequantize, dequantize_torch, quantize
+from roundpipe.transfer import DeviceIO
 
 from quant_reference import PUBLISHED_NF4
 
@@ -177,3 +183,65 @@ def test_which_path_each_mode_takes(monkeypatch, fresh_kernels):
     monkeypatch.setenv(fused_dequant.ENV, "Compiled")
     with pytest.raises(ValueError, match="ROUNDPIPE_DEQUANT"):
         dequantize(codes, scales, "int8", w.shape, torch.bfloat16)
+
+
+# --- dequantized once per stage visit, right after the upload ----------------------------------
+
+def quantized_net() -> nn.Sequential:
+    """Four layers, the weights of the two first linears frozen (their biases train)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Linear(64, 8))
+    for m in (net[0], net[2]):
+        m.weight.requires_grad_(False)
+    return net
+
+
+def test_a_stage_visit_dequantizes_each_weight_once_after_its_upload(monkeypatch):
+    """Three microbatches, one layer per stage: each quantized weight is dequantized once per
+    stage visit (forward and backward), not once per microbatch and recomputation; the dense
+    weights go to the device I/O's keep-alive hook (CUDA: record_stream on the compute stream),
+    are the values the layers compute with (loss and gradients equal plain PyTorch on the
+    dequantized weights), and none outlives the call."""
+    import copy
+
+    net = quantized_net()
+    ref = copy.deepcopy(net)
+    w = roundpipe.RoundPipe(net, torch.float32, device="cpu", num_microbatch=3,
+                            frozen_dtype="nf4")
+    q = [m for m in net.modules() if isinstance(m, QuantizedLinear)]
+    assert len(q) == 2
+    with torch.no_grad():
+        for i, m in ((0, q[0]), (2, q[1])):
+            ref[i].weight.copy_(m.weight)
+    counted, kept = [], []
+    real = quant.dequantize
+    monkeypatch.setattr(quant, "dequantize", lambda *a: counted.append(a[3]) or real(*a))
+    monkeypatch.setattr(DeviceIO, "_keep_for_compute",
+                        lambda self, t: kept.append(weakref.ref(t)))
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    loss = w.forward_backward((x,), label=y, loss_fn=torch.nn.functional.mse_loss)
+    # stages: 4 layers; the two quantized ones get a forward and a backward visit each
+    assert sorted(counted) == sorted([m.weight_shape for m in q] * 2)
+    assert len(kept) == 4
+    gc.collect()
+    assert all(r() is None for r in kept)
+    assert all(getattr(m.weight_codes, quant._DENSE, None) is None for m in q)
+    want = torch.nn.functional.mse_loss(ref(x), y)  # each microbatch weighs its share
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
+    grads = w.accumulated_grads()
+    for name, p in ref.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_outside_a_visit_the_weight_is_dequantized_anew():
+    """A QuantizedLinear used as a plain module (no stage visit) dequantizes at each access:
+    a new tensor each time, writing to it changes nothing."""
+    lin = nn.Linear(64, 8).requires_grad_(False)
+    m = QuantizedLinear(lin, "int8")
+    a, b = m.weight, m.weight
+    assert a is not b and torch.equal(a, b)
+    a.zero_()
+    assert torch.equal(m.weight, b)

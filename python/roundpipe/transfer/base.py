@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from ..quant import dequantize_uploaded
 from ..threads import Permits
 from ..stats import Stats
 from ..torch_private import tensor_version, tree_map
@@ -151,6 +152,10 @@ class DeviceIO:
         """A parameter's tensor on the device (default: a copy, as every other upload)."""
         return self._copy_to_device(t)
 
+    def _keep_for_compute(self, t: torch.Tensor) -> None:
+        """``t`` was made on the device during an upload and is read by the compute (CUDA:
+        its memory is not reused before the compute stream is done with it)."""
+
     def _begin_upload(self) -> None:
         """Before a stage's weights are copied (CUDA: switch to the weights stream)."""
 
@@ -190,7 +195,9 @@ class DeviceIO:
     # --- what every device type shares --------------------------------------------------------
 
     def upload(self, layers: list[list[TensorRef]], with_grad: bool) -> tuple[StageWeights, Any]:
-        """A stage's weights on the device (each host tensor copied once); with ``with_grad``,
+        """A stage's weights on the device (each host tensor copied once, the weights of a
+        quantized frozen base dequantized once behind the copies:
+        :func:`roundpipe.quant.dequantize_uploaded`); with ``with_grad``,
         copies of trainable parameters (``index`` set and the host parameter still
         ``requires_grad``) require grad and collect it; without, copies of parameters whose
         host parameter requires grad require grad too, as the model's own parameters do (a
@@ -227,6 +234,9 @@ class DeviceIO:
                             t.requires_grad_(True)
                 placed.append((ref.sites, t))
             weights.layers.append(placed)
+        for dense in dequantize_uploaded(layers, copies):  # behind the copies, see its doc
+            weights.nbytes += nbytes(dense)
+            self._keep_for_compute(dense)
         return weights, self._end_upload(weights.nbytes)
 
     def to_device(self, tree: Any, event: Any, kind: str) -> Any:

@@ -6,7 +6,8 @@ device); CUDA is first used when a CUDA device is given to ``RoundPipe``, so CPU
 touches it. Per device (:class:`CudaIO`, used by that device's worker,
 and by the optimizer side to wait for and release gradient downloads):
 
-- ``weights`` stream: uploads of stage weights and buffers from the pinned host model copy;
+- ``weights`` stream: uploads of stage weights and buffers from the pinned host model copy,
+  and the dequantization of a quantized frozen base's weights right behind their upload;
 - ``acts`` stream: uploads of stage inputs, labels and input gradients;
 - ``compute`` stream: the layers, forward and backward (autograd runs a backward op on the
   stream of its forward op), and the sums of parameter gradients over microbatches;
@@ -301,6 +302,9 @@ class CudaIO(DeviceIO):
         if t.device.type == "cuda":
             t.record_stream(self.down)
         return h
+
+    def _keep_for_compute(self, t: torch.Tensor) -> None:
+        t.record_stream(self.compute)  # made on the weights stream, read by the compute
 
     def _begin_upload(self) -> None:
         start = self._event(True)
