@@ -210,6 +210,14 @@ def _build(kind: str, dtype: torch.dtype, device: torch.device, tables: dict,
     return None, reason
 
 
+def why_not(kind: str, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why :func:`kernel` refused the kernel of ``kind`` into ``dtype`` on ``device``'s type
+    (None: not refused, or not tried yet)."""
+    with _lock:
+        entry = _kernels.get((device.type, kind, dtype))
+    return entry[1] if entry is not None and entry[0] is None else None
+
+
 def clear() -> None:
     """Forgets every kernel compiled or refused (the next use compiles and checks again)."""
     with _lock:
