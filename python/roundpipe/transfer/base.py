@@ -357,6 +357,15 @@ class DeviceIO:
         (None: nothing pending)."""
         return self.to_device(host, after, "kv")
 
+    def kv_prefetch(self, host: torch.Tensor, after: Any) -> tuple[torch.Tensor, Any]:
+        """:meth:`kv_to_device` issued ahead of its use: the device copy and the event the
+        compute must wait for (:meth:`kv_ready`) before reading it (CUDA: copied on the
+        activations stream without making the compute wait now; elsewhere: done, None)."""
+        return self.kv_to_device(host, after), None
+
+    def kv_ready(self, event: Any) -> None:
+        """The compute waits for a :meth:`kv_prefetch` marked by ``event`` (None: done)."""
+
     def kv_to_host(self, dev: torch.Tensor, host: torch.Tensor) -> Any:
         """Copies device KV entries into ``host`` (same shape and dtype; counted as
         ``d2h_kv_bytes``) once the compute issued so far has produced them; returns the event

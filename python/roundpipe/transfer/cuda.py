@@ -396,6 +396,20 @@ class CudaIO(DeviceIO):
         weakref.finalize(arena, self.stats.add, "pinned_bytes", -arena.size)
         return arena.view(0, like)
 
+    def kv_prefetch(self, host: torch.Tensor, after: Any) -> tuple[torch.Tensor, Any]:
+        done = self._event()
+        with torch.cuda.stream(self.acts):
+            if after is not None:
+                self.acts.wait_event(after)
+            self.stats.moved("h2d", "kv", nbytes(host))
+            dev = self._copy_to_device(host)
+            done.record(self.acts)
+        return dev, done
+
+    def kv_ready(self, event: Any) -> None:
+        if event is not None:
+            self.compute.wait_event(event)
+
     def _copy_into_host(self, dev: torch.Tensor, host: torch.Tensor) -> None:
         with torch.no_grad():
             host.copy_(dev, non_blocking=True)
