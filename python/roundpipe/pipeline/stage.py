@@ -76,6 +76,12 @@ class PassSpec:
             microbatch, the ``"sum"`` convention). A microbatch of weight 0 contributes a
             zero loss and zero gradients even where its ``loss_fn`` is not finite (a
             token mean over no token).
+        carry: uploads handed from one pass to the next (generation, whose passes follow one
+            another with the same weights): ``{device index: (visit, (weights, event))}``,
+            taken by this pass for its first visits (see :mod:`roundpipe.pipeline.fetch`);
+            None: none.
+        upload_ahead: after this pass, upload each device's first visit of the next pass
+            into ``carry`` (its bytes and their floor counted now).
     """
 
     microbatches: list
@@ -89,6 +95,8 @@ class PassSpec:
     loss_scale: float = 1.0
     want_norms: bool = False
     loss_weights: Optional[list[float]] = None
+    carry: Optional[dict] = None
+    upload_ahead: bool = False
 
 
 class _StageInput(torch.autograd.Function):
