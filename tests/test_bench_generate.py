@@ -39,3 +39,11 @@ def test_generate_benchmark_runs(tmp_path):
             result["weight_bytes"] / row["batch"]
         assert row["kv_bytes"] == row["kv_floor_bytes"]
         assert (row["kv_bytes"] > 0) == (row["contender"] == "roundpipe host KV")
+        # the bound max(compute, bytes / link): on the CPU no link, so transformers' own rate,
+        # round by round, and the ratio to it is the ratio to transformers
+        hf = next(x for x in rows if x["batch"] == row["batch"]
+                  and x["contender"] == "transformers")
+        assert row["link_s"] == 0.0 and result["pinned_peak_gb_s"] is None
+        assert row["bound_tokens_per_s"] == hf["tokens_per_s"]
+        assert row["x_bound"] == row["x_transformers"]
+    assert "bound tok/s" in r.stdout and "x bound" in r.stdout

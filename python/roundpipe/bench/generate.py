@@ -15,7 +15,12 @@ Reported per contender and batch: tokens/s (new tokens of every row over the wal
 ``generate``, prefill included) with its range, the ratio to transformers measured in the
 same rounds, whether the tokens equal transformers' (greedy), and for RoundPipe, from
 ``pipeline_stats()``: weight bytes moved per generated token against their floor (every
-stage once per step, divided by the batch), KV bytes per generated token against theirs.
+stage once per step, divided by the batch), KV bytes per generated token against theirs, and
+the bound a streaming generate cannot beat, per round: max(compute, bytes / bandwidth), where
+compute is transformers' time for the same call with the weights resident and bytes / bandwidth
+the call's weight and KV bytes at the pinned host-to-device copy peak measured in this run
+(CUDA; on the CPU nothing crosses a link and the bound is the compute), with the ratio of the
+bound's time to RoundPipe's (issue 34's target at batch 1: >= 0.85x).
 
     python -m roundpipe.bench generate
     python -m roundpipe.bench generate --device cuda:0 --dtype bfloat16 --layers 16 \\
@@ -40,7 +45,9 @@ Columns (median over the repeats, with the min-max range):
   W B/tok      weight bytes moved host->device per generated token (floor: every stage once
                per decoding step, shared by the batch's rows)
   KV B/tok     KV cache bytes moved both ways per generated token (floor: what each layer
-               attends to up once, the new entries down once)"""
+               attends to up once, the new entries down once)
+  bound tok/s  tok/s at max(compute: transformers' time, (weight + KV bytes) / pinned copy
+               peak), per round; x bound: RoundPipe's tok/s over it (1.00x: at the bound)"""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,6 +79,11 @@ def run(args) -> dict:
     wrapped = roundpipe.wrap_model_to_roundpipe(model, device=args.device, num_microbatch=1)
     kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak = None
+    if device.type == "cuda":
+        from .pipeline import pinned_copy_peak_gb_s
+
+        peak = pinned_copy_peak_gb_s(args.device)
     rows = []
     for batch in args.batch:
         gen = torch.Generator().manual_seed(batch)
@@ -110,9 +122,16 @@ def run(args) -> dict:
                 row["x_transformers"] = paired_ratio(rate[name], rate["transformers"]).as_dict()
                 row["same_tokens"] = same[name]
                 row.update(per_token[name])
+                moved = (row["weight_bytes"] + row["kv_bytes"]) * per_token[name]["generated_tokens"]
+                link_s = moved / (peak * 1e9) if peak else 0.0
+                bound = [batch * args.new_tokens / max(t, link_s)
+                         for t in seconds["transformers"]]
+                row["bound_tokens_per_s"] = Figure.of(bound).as_dict()
+                row["x_bound"] = paired_ratio(rate[name], bound).as_dict()
+                row["link_s"] = link_s
             rows.append(row)
     return {"config": vars(args), "parameters": sum(p.numel() for p in model.parameters()),
-            "weight_bytes": weight_bytes, "rows": rows}
+            "weight_bytes": weight_bytes, "pinned_peak_gb_s": peak, "rows": rows}
 
 
 def main(argv=None) -> None:
@@ -145,7 +164,8 @@ def main(argv=None) -> None:
           f"interleaved repeats; torch threads {args.threads}")
     print(LEGEND)
     print(f"{'batch':>5} {'contender':<20}{'tok/s (min-max)':>26}{'x hf (min-max)':>22}"
-          f"{'same':>6}{'W B/tok':>12}{'floor':>12}{'KV B/tok':>11}{'floor':>11}")
+          f"{'same':>6}{'W B/tok':>12}{'floor':>12}{'KV B/tok':>11}{'floor':>11}"
+          f"{'bound tok/s':>26}{'x bound':>22}")
     for r in result["rows"]:
         rate = Figure.from_dict(r["tokens_per_s"]).text(1)
         if r["contender"] == "transformers":
@@ -154,7 +174,12 @@ def main(argv=None) -> None:
         ratio = Figure.from_dict(r["x_transformers"]).text(2, "x")
         print(f"{r['batch']:>5} {r['contender']:<20}{rate:>26}{ratio:>22}"
               f"{'yes' if r['same_tokens'] else 'NO':>6}{r['weight_bytes']:>12.0f}"
-              f"{r['weight_floor_bytes']:>12.0f}{r['kv_bytes']:>11.0f}{r['kv_floor_bytes']:>11.0f}")
+              f"{r['weight_floor_bytes']:>12.0f}{r['kv_bytes']:>11.0f}{r['kv_floor_bytes']:>11.0f}"
+              f"{Figure.from_dict(r['bound_tokens_per_s']).text(1):>26}"
+              f"{Figure.from_dict(r['x_bound']).text(2, 'x'):>22}")
+    peak = result["pinned_peak_gb_s"]
+    print("bound: max(transformers' time, bytes / "
+          + (f"{peak:.1f} GB/s pinned copy peak)" if peak else "no link: the CPU computes)"))
     if args.json:
         write_json(args.json, result)
 
