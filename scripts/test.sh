@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up and runs every test: the GoogleTest suite natively (ctest) and under
 # emulated CPUs (scripts/test_emulated.sh: AVX2-only, no-AVX and AArch64), the C++ install and
-# a find_package consumer (scripts/test_install.sh), then pytest.
+# a find_package consumer (scripts/test_install.sh), then pytest, then the Hugging Face tests on
+# the lowest versions pyproject.toml declares (scripts/test_floors.sh, in .venv-floors).
 # Exits non-zero if any test fails or if a runner ran no test.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,3 +16,5 @@ bash scripts/test_install.sh
 
 echo "== pytest"
 .venv/bin/python -m pytest tests
+
+bash scripts/test_floors.sh  # the declared floors of torch, transformers, peft, accelerate, trl
