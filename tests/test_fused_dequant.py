@@ -245,3 +245,66 @@ def test_outside_a_visit_the_weight_is_dequantized_anew():
     assert a is not b and torch.equal(a, b)
     a.zero_()
     assert torch.equal(m.weight, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["nf4", "nf4-dq", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_fused_kernel_is_chosen_and_equals_the_float64_reference(kind, dtype, monkeypatch):
+    """On CUDA (auto, as RoundPipe runs): the compiled Triton kernel passes its check (no
+    warning, not refused) and gives the float64 reference's bits, as the torch ops do there."""
+    import warnings
+
+    monkeypatch.delenv(fused_dequant.ENV, raising=False)
+    cuda = torch.device("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a refused kernel warns
+        for shape, seed in (((37, 53), 1), ((550, 128), 2), ((4096, 1100), 3)):
+            w = weight(shape, seed)
+            codes, scales = quantize(w, kind)
+            want = float64_reference(kind, codes, scales, shape, dtype)
+            got = dequantize(codes.to(cuda), scales.to(cuda), kind, shape, dtype)
+            assert same_bits(got.cpu(), want), (kind, dtype, shape)
+    assert fused_dequant.why_not(kind, dtype, cuda) is None
+    assert fused_dequant.kernel(kind, dtype, cuda, {}, None) is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["nf4", "nf4-dq"])
+def test_cuda_lora_on_a_quantized_base_equals_peft_on_the_dequantized_base(kind):
+    """Through the pipeline on CUDA (the weights dequantized on the upload stream behind their
+    copies, prefetched a stage ahead, three microbatches): 4 AdamW steps give plain PEFT's
+    losses on the same GPU, the base holding the dequantized weights."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    import roundpipe.optim
+    from pipeline_models import causal_lm
+    from quant_reference import make_batch
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                           lora_dropout=0.0, init_lora_weights=False)
+    base = causal_lm("llama", 0, hidden_size=64, intermediate_size=128)
+    ref = peft.get_peft_model(copy.deepcopy(base), lora)
+    model = peft.get_peft_model(copy.deepcopy(base), lora)
+    model.load_state_dict(ref.state_dict())
+    w = roundpipe.wrap_model_to_roundpipe(model, torch.float32, device="cuda:0",
+                                          num_microbatch=3, frozen_dtype=kind)
+    with torch.no_grad():
+        for n, m in model.named_modules():
+            if isinstance(m, QuantizedLinear):
+                ref.get_submodule(n).weight.copy_(m.weight)
+    ref = ref.cuda()
+    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                                eps=1e-2)
+    opt = roundpipe.optim.AdamW(w.optim_parameters(), lr=1e-2, eps=1e-2)
+    for step in range(4):
+        batch = make_batch(seed=100 + step)
+        want = ref(**{k: v.cuda() for k, v in batch.items()}).loss
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        got = w.forward_backward(input_kwargs=batch)
+        w.step(opt)
+        torch.testing.assert_close(got.cpu().float(), want.detach().cpu().float(),
+                                   rtol=1e-4, atol=1e-5)
