@@ -394,9 +394,10 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=positive_int, default=2048,
                     help="hidden size of the LoRA training model (default 2048)")
     ap.add_argument("--layers", type=positive_int, default=4)
-    ap.add_argument("--configs", type=config_arg, nargs="+",
-                    default=[config_arg(c) for c in CONFIGS],
+    ap.add_argument("--configs", type=config_arg, nargs="+", default=None,
                     help="BATCHxSEQ configurations (default: 1x512, upload-bound, and 4x512)")
+    ap.add_argument("--seq", type=positive_int, default=None,
+                    help="tokens per sequence of the default configurations (1xSEQ and 4xSEQ)")
     ap.add_argument("--bases", nargs="+", choices=sorted(BASES), default=["bf16", "nf4"],
                     help="frozen bases to train (bf16 is always first; default: bf16 nf4)")
     ap.add_argument("--layer-hidden", type=positive_int, default=4096,
@@ -407,6 +408,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from . import write_json
 
+    if args.configs is None:
+        args.configs = [config_arg(c) for c in CONFIGS]
+        if args.seq is not None:
+            args.configs = [(batch, args.seq) for batch, _ in args.configs]
+    elif args.seq is not None:
+        ap.error("give either --configs or --seq")
     bases = ["bf16"] + [b for b in args.bases if b != "bf16"]
     cuda = args.device.startswith("cuda")
     configs = []
