@@ -1,5 +1,6 @@
 """Quantized frozen weights: the frozen base of LoRA kept on the host in NF4 or blockwise
-int8, uploaded packed and dequantized on the compute device right before each linear runs.
+int8, uploaded packed and dequantized on the compute device once per stage visit, right after
+the upload (:func:`dequantize_uploaded`; outside RoundPipe, before each linear runs).
 
 Formats (``frozen_dtype``), both over blocks of :data:`BLOCK` = 64 consecutive values of the
 row-major flattened weight (the last block zero-padded):
@@ -34,9 +35,9 @@ grad (and is not tied to another module: an output embedding tied to the input e
 stays in the model dtype, as do biases, norms and embeddings) by a :class:`QuantizedLinear`
 whose packed codes and block scales are frozen parameters: RoundPipe uploads them as they
 are (``pipeline_stats()`` counts the packed bytes, and the weight floor is the packed size),
-and the module dequantizes them on the device inside its forward (also in the recomputation:
-on the CPU with the SIMD kernels of ``roundpipe._C``, ``roundpipe/dequant.hpp``, elsewhere with
-torch ops on the device; the same bits either way),
+and they are dequantized on the device (on the CPU with the SIMD kernels of ``roundpipe._C``,
+``roundpipe/dequant.hpp``, elsewhere with the fused kernel of :mod:`roundpipe.fused_dequant`
+or torch ops; the same bits every way),
 so gradients reach the input (and PEFT's LoRA adapters around it) through the dequantized
 weight, as in QLoRA; the dequantized weight lives only while the layer's autograd graph does.
 
