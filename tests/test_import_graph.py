@@ -24,7 +24,7 @@ LAYERS = [
     ["roundpipe._C", "roundpipe.host_buffers", "roundpipe.stats", "roundpipe.threads",
      "roundpipe.plan", "roundpipe.context", "roundpipe.guards", "roundpipe.recompute",
      "roundpipe.microbatch", "roundpipe.clipping", "roundpipe.grad_scaler", "roundpipe.quant",
-     "roundpipe.torch_private", "roundpipe.known_warnings"],
+     "roundpipe.torch_private", "roundpipe.known_warnings", "roundpipe.fused_dequant"],
     ["roundpipe.optim"],                    # the optimizers: usable without the wrapper
     ["roundpipe.transfer"],                 # moving tensors to a device and back
     ["roundpipe.pipeline"],                 # the schedule, stages, passes

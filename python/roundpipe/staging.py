@@ -103,12 +103,18 @@ def measured_link(stats: dict, device_type: str) -> Link:
 
 
 def _layer_bytes(layer: nn.Module) -> tuple[int, int, int]:
-    """A layer's device bytes (its distinct parameters and buffers), and the element count and
-    item size of its trainable parameters."""
+    """A layer's device bytes (its distinct parameters and buffers, and the dense weights a
+    quantized frozen base is dequantized into for a visit), and the element count and item
+    size of its trainable parameters."""
+    from .quant import QuantizedLinear
+
     seen: dict[int, torch.Tensor] = {}
     for t in list(layer.parameters()) + list(layer.buffers()):
         seen[id(t)] = t
     weights = sum(t.numel() * t.element_size() for t in seen.values())
+    weights += sum(math.prod(m.weight_shape) * m.compute_dtype.itemsize
+                   for m in {id(m): m for m in layer.modules()
+                             if isinstance(m, QuantizedLinear)}.values())
     trainable = [t for t in layer.parameters() if t.requires_grad]
     numel = sum(t.numel() for t in {id(t): t for t in trainable}.values())
     itemsize = max((t.element_size() for t in trainable), default=4)

@@ -126,8 +126,8 @@ class RoundPipe(nn.Module):
         grad_reduction: ``"mean"`` (default, as DDP) or ``"sum"`` of the ranks' gradients.
         frozen_dtype: ``"nf4"`` (QLoRA's 4-bit NormalFloat), ``"nf4-dq"`` (the same with
             QLoRA's double quantization of the absmax) or ``"int8"`` (blockwise absmax): the weights of ``nn.Linear`` modules that do not require grad are kept on
-            the host in that format, uploaded packed and dequantized on the device right before
-            each linear runs (see :mod:`roundpipe.quant`); biases, norms, embeddings, tied or
+            the host in that format, uploaded packed and dequantized on the device once per
+            stage visit, right behind the upload (see :mod:`roundpipe.quant`); biases, norms, embeddings, tied or
             output embeddings and every trainable parameter stay as they are. Raises
             ``ValueError`` when the model has no frozen linear. None (default): no quantization.
 

@@ -80,6 +80,12 @@ class PassSpec:
             token mean over no token).
         meter: measures every layer and backward for the stage planner (None: nothing is
             measured; :mod:`roundpipe.pipeline.meter`).
+        carry: uploads handed from one pass to the next (generation, whose passes follow one
+            another with the same weights): ``{device index: (visit, (weights, event))}``,
+            taken by this pass for its first visits (see :mod:`roundpipe.pipeline.fetch`);
+            None: none.
+        upload_ahead: after this pass, upload each device's first visit of the next pass
+            into ``carry`` (its bytes and their floor counted now).
     """
 
     microbatches: list
@@ -94,6 +100,8 @@ class PassSpec:
     want_norms: bool = False
     loss_weights: Optional[list[float]] = None
     meter: Optional[PassMeter] = None
+    carry: Optional[dict] = None
+    upload_ahead: bool = False
 
 
 class _StageInput(torch.autograd.Function):
@@ -152,6 +160,7 @@ class StageVisit:
         if self.spec.meter is not None:
             exclude = {t.untyped_storage().data_ptr()
                        for placed in self.weights.layers for _, t in placed}
+            exclude.update(t.untyped_storage().data_ptr() for t in self.weights.derived)
             meter = functools.partial(self.spec.meter.layer, self.io, microbatch=m,
                                       exclude=exclude)
         with self.spec.autocast.enter(self.stage.device.type), io_scope(self.io):

@@ -6,7 +6,8 @@ device); CUDA is first used when a CUDA device is given to ``RoundPipe``, so CPU
 touches it. Per device (:class:`CudaIO`, used by that device's worker,
 and by the optimizer side to wait for and release gradient downloads):
 
-- ``weights`` stream: uploads of stage weights and buffers from the pinned host model copy;
+- ``weights`` stream: uploads of stage weights and buffers from the pinned host model copy,
+  and the dequantization of a quantized frozen base's weights right behind their upload;
 - ``acts`` stream: uploads of stage inputs, labels and input gradients;
 - ``compute`` stream: the layers, forward and backward (autograd runs a backward op on the
   stream of its forward op), and the sums of parameter gradients over microbatches;
@@ -348,6 +349,9 @@ class CudaIO(DeviceIO):
             t.record_stream(self.down)
         return h
 
+    def _keep_for_compute(self, t: torch.Tensor) -> None:
+        t.record_stream(self.compute)  # made on the weights stream, read by the compute
+
     def _begin_upload(self) -> None:
         start = self._event(True)
         self._stream_ctx = torch.cuda.stream(self.weights)
@@ -447,6 +451,20 @@ class CudaIO(DeviceIO):
             self.stats.add("pinned_bytes", arena.size)
             weakref.finalize(arena, self.stats.add, "pinned_bytes", -arena.size)
         return arena.view(0, like)
+
+    def kv_prefetch(self, host: torch.Tensor, after: Any) -> tuple[torch.Tensor, Any]:
+        done = self._event()
+        with torch.cuda.stream(self.acts):
+            if after is not None:
+                self.acts.wait_event(after)
+            self.stats.moved("h2d", "kv", nbytes(host))
+            dev = self._copy_to_device(host)
+            done.record(self.acts)
+        return dev, done
+
+    def kv_ready(self, event: Any) -> None:
+        if event is not None:
+            self.compute.wait_event(event)
 
     def _copy_into_host(self, dev: torch.Tensor, host: torch.Tensor) -> None:
         with torch.no_grad():
