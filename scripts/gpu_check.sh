@@ -4,15 +4,17 @@
 # transformers/peft; wheels of newer ones in .whl/ are installed to /tmp/site first, see
 # /work/.library/device/README.md). Sections, in this order (default: all but plans):
 #
-#   tests     tests/test_gpu.py and tests/test_trainer_gpu.py
+#   tests     tests/test_gpu.py, test_trainer_gpu.py, test_fused_dequant.py (the compiled
+#             dequantization on CUDA), test_generate_prefetch.py
 #   capped    the 1.82B Llama under a 3 GB cap: sync, async, exact; first loss against plain HF
 #   bench8k   bench pipeline, 1.82B Llama, 8 x 1024 tokens per step: sync, async, exact against
 #             plain HF with gradient checkpointing and FSDP2 with CPU offload; each mode's bound
 #   bench64k  the same at 64 x 1024 tokens per step (fine-tuning's usual 64k)
 #   profile   one exact-mode call of the 1.82B under torch.profiler and cProfile, and the CUDA
 #             memory history of two calls: $OUT/profile.tar
-#   generate  generation through the pipeline against transformers' generate
-#   qlora     LoRA on an NF4 base against a bf16 base
+#   generate  generation through the pipeline against transformers' generate and its bound,
+#             a bf16 and an NF4 base
+#   qlora     LoRA on an NF4 base against a bf16 base, upload-bound (1 x 512) and 4 x 512
 #   plans     (optional) the automatic stage plan against fixed ones at 4k and 64k tokens
 #
 #   bash scripts/gpu_check.sh                      # all but plans (budget: under 8 minutes)
@@ -64,8 +66,9 @@ llama="--model llama --layers 24 --hidden 2560 --intermediate 6912 --heads 20 --
 for s in "${sections[@]}"; do
   case $s in
     tests)
-      run tests 420 $PY -X faulthandler -m pytest -q -p no:cacheprovider -rs -x \
-        "$here/tests/test_gpu.py" "$here/tests/test_trainer_gpu.py" ;;
+      run tests 420 $PY -X faulthandler -m pytest -q -p no:cacheprovider -rs \
+        "$here/tests/test_gpu.py" "$here/tests/test_trainer_gpu.py" \
+        "$here/tests/test_fused_dequant.py" "$here/tests/test_generate_prefetch.py" ;;
     capped) PYTHONPATH=$here/scripts/gpu${PYTHONPATH:+:$PYTHONPATH} run capped 300 $gpu/capped.py ;;
     bench8k)
       run bench8k 300 $PY -X faulthandler -m roundpipe.bench pipeline $llama --batch 8 \
@@ -78,11 +81,12 @@ for s in "${sections[@]}"; do
     profile) PYTHONPATH=$here/scripts/gpu${PYTHONPATH:+:$PYTHONPATH} run profile 240 $gpu/profile_call.py ;;
     generate)
       run generate 240 $PY -X faulthandler -m roundpipe.bench generate --device cuda:0 \
-        --dtype bfloat16 --layers 16 --hidden 2048 --heads 16 --kv-heads 8 --vocab 32000 \
-        --prompt 128 --new-tokens 32 --batch 1 64 --repeats 5 --json "$out/generate.json" ;;
+        --dtype bfloat16 --layers 8 --hidden 2048 --heads 16 --kv-heads 8 --vocab 32000 \
+        --prompt 64 --new-tokens 16 --batch 1 16 --repeats 5 --frozen-dtype nf4 \
+        --json "$out/generate.json" ;;
     qlora)
-      run qlora 240 $PY -X faulthandler -m roundpipe.bench.qlora --device cuda:0 --hidden 2048 \
-        --layers 4 --seq 512 --repeats 5 --json "$out/qlora.json" ;;
+      run qlora 240 $PY -X faulthandler -m roundpipe.bench qlora --device cuda:0 --hidden 2048 \
+        --layers 4 --configs 1x512 4x512 --repeats 5 --json "$out/qlora.json" ;;
     plans) PYTHONPATH=$here/scripts/gpu${PYTHONPATH:+:$PYTHONPATH} run plans 420 $gpu/plans.py ;;
     *) echo "unknown section $s (tests capped bench8k bench64k profile generate qlora plans)"
        exit 2 ;;
