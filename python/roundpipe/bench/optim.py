@@ -48,7 +48,7 @@ from roundpipe import _C
 from . import (write_json, MIN_REPEATS, Figure, available_cpus, compare, human, interleave, paired_ratio,
                positive_float, positive_int, repeats_arg, timed, writable_path)
 from . import peers as peer_table
-from .cpu import cpu_model
+from .cpu import cpu_model, cpu_vendor, describe_prefetch
 from .floors import floor_step, matrix_shape
 
 # name -> (roundpipe class, torch class, whether torch has fused=True for CPU)
@@ -302,7 +302,37 @@ def thread_setup(threads: int) -> dict:
     """The threads this benchmark runs with, as they are set (not as asked)."""
     return {"torch_intra_op": torch.get_num_threads(), "roundpipe_pool": rpo.num_threads(),
             "device_workers": 0, "cpus_available": available_cpus(), "isa": rpo.active_isa(),
-            "cpu": cpu_model(), "threads_arg": threads}
+            "cpu": cpu_model(), "cpu_vendor": cpu_vendor(), "threads_arg": threads}
+
+
+# the single-tensor layout and the multi-tensor layout of the same bytes, compared by layout_gaps
+SAME_BYTES = ("50M", "200x250k")
+
+
+def layout_gaps(rows: list[dict]) -> list[dict]:
+    """Per algorithm measured on both layouts of :data:`SAME_BYTES` with as many elements: our
+    time per element on the one tensor over that on the many (measured in different rounds, so
+    also normalised by each layout's floor, measured in the same rounds as its step)."""
+    by = {(r["algorithm"], r["layout"]): r for r in rows}
+    gaps = []
+    for (name, layout), one in by.items():
+        many = by.get((name, SAME_BYTES[1]))
+        if layout != SAME_BYTES[0] or many is None or many["elements"] != one["elements"]:
+            continue
+        ratio = one["ns_per_param"]["roundpipe"] / many["ns_per_param"]["roundpipe"]
+        fractions = (Figure.from_dict(one["floor_fraction"]).median,
+                     Figure.from_dict(many["floor_fraction"]).median)
+        gaps.append({"algorithm": name, "one": one["label"], "many": many["label"],
+                     "time_ratio": ratio, "floor_fraction": fractions,
+                     "floor_normalised_ratio": fractions[1] / fractions[0]})
+    return gaps
+
+
+def format_gap(g: dict) -> str:
+    return (f"{g['algorithm']:9s} one tensor ({g['one']}) / {g['many']}: "
+            f"{g['time_ratio']:.3f}x the time per element; floor-normalised "
+            f"{g['floor_normalised_ratio']:.3f}x ({100 * g['floor_fraction'][0]:.0f}% vs "
+            f"{100 * g['floor_fraction'][1]:.0f}% of the floor)")
 
 
 def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print,
@@ -327,6 +357,12 @@ def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print
                 rows.append(row)
                 log(format_row(row))
                 del steps
+    gaps = layout_gaps(rows)
+    if gaps:
+        log("one tensor against the same elements split into many (ours; measured in different "
+            "rounds):")
+        for g in gaps:
+            log(format_gap(g))
     mixed = []
     if mixed_layout is not None and peers != "only":
         log("mixed precision (bf16 gradient in, bf16 model copy out) vs convert + step + copy:")
@@ -341,8 +377,8 @@ def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print
                                      [(n, c, s, layout_label(c, s)) for n, c, s in shapes],
                                      threads, repeats, _measure, log, peer_packages)
     return {"threads": setup, "isa": rpo.active_isa(), "repeats": repeats, "scale": scale,
-            "rows": rows, "mixed": mixed, "peers": peer_result,
-            "matmul": matmul_interference(repeats)}
+            "rows": rows, "gaps": gaps, "mixed": mixed, "peers": peer_result,
+            "matmul": matmul_interference(repeats), "prefetch": rpo.prefetch_choice()}
 
 
 def main(argv=None) -> None:
@@ -381,7 +417,8 @@ def main(argv=None) -> None:
     rpo.set_num_threads(threads)
     torch.set_num_threads(threads)
     t = thread_setup(threads)
-    print(f"RoundPipe optimizer benchmark on {cpu_model()}: ISA {t['isa']}; threads: "
+    print(f"RoundPipe optimizer benchmark on {t['cpu_vendor']} {t['cpu']}: ISA {t['isa']}, "
+          f"prefetch {describe_prefetch(rpo.prefetch_choice())}; threads: "
           f"roundpipe.optim pool "
           f"{t['roundpipe_pool']}, torch intra-op {t['torch_intra_op']} (both --threads"
           f"{' all' if args.threads == 'all' else ''}; the peers' OpenMP loops too), no "
@@ -398,6 +435,8 @@ def main(argv=None) -> None:
                                                             "after_over_alone"))
     print(f"512x512 matmul: {alone.text(3)} ms alone, {after.text(3)} ms right after a RoundPipe "
           "step: " + compare(ratio, "the time alone"))
+    print(f"kernels' choices on {t['cpu_vendor']} {t['cpu']}: ISA {result['isa']}, prefetch "
+          f"{describe_prefetch(result['prefetch'])}")
     if args.json:
         write_json(args.json, result)
     wrong = (result["peers"] or {}).get("wrong")
