@@ -343,6 +343,7 @@ NB_MODULE(_C, m) {
   }, "The kernels' software prefetch distance and how it was chosen (roundpipe/tuning.hpp):\n"
      "a dict of bytes, source, candidates, relative_time, ns_per_element, rounds. ValueError\n"
      "if ROUNDPIPE_PREFETCH is neither 'auto' nor a multiple of 64 in [0, 16384].");
+  m.attr("PREFETCH_CALIBRATION_ELEMENTS") = roundpipe::kPrefetchCalibrationElements;
   m.def("set_prefetch_distance", &roundpipe::set_prefetch_distance, nb::arg("bytes"),
         "Fixes the prefetch distance (bytes ahead per float32 array, a multiple of 64 in\n"
         "[0, 16384]; 0: none). ValueError otherwise.");

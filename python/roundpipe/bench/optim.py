@@ -165,11 +165,22 @@ def layout_label(count: int, size: int) -> str:
     return human(size) if count == 1 else f"{count}x{human(size)}"
 
 
+# untimed rounds at most, to let the prefetch calibration finish before the timing
+CALIBRATION_ROUNDS = 5
+
+
 def _measure(steps: dict, repeats: int, elements: int) -> dict[str, list[float]]:
     """ns per element of every step, per repeat, interleaved, after one untimed step each (the
-    first step creates the state and, for ours, the param group's step plan)."""
-    for fn in steps.values():
-        fn()
+    first step creates the state and, for ours, the param group's step plan), and more untimed
+    rounds (up to :data:`CALIBRATION_ROUNDS`) while the kernels are calibrating their prefetch
+    distance on steps of this size (roundpipe/tuning.hpp), so that every timed step runs with
+    the distance chosen."""
+    for _ in range(CALIBRATION_ROUNDS):
+        for fn in steps.values():
+            fn()
+        if (rpo.prefetch_choice()["source"] != "default (calibrating)"
+                or elements < _C.PREFETCH_CALIBRATION_ELEMENTS):
+            break
     times = interleave({k: timed(fn) for k, fn in steps.items()}, repeats)
     return {k: [1e9 * t / elements for t in v] for k, v in times.items()}
 
