@@ -83,9 +83,10 @@ constexpr std::size_t kStageElements = 2048;
 // [0, count), cut into chunks of kChunkElements at chunk-aligned offsets, in parallel on at most
 // one thread per kElementsPerThread elements; `chunk` numbers them 0, 1, ... in tensor and
 // element order (count_chunks of them). The chunks, and so the results, do not depend on the
-// number of threads.
+// number of threads. With `step` (an optimizer step's kernels, which prefetch their arrays), a
+// call may run prefetch calibration rounds (run_calibrating): the same chunks, timed.
 template <class NumelFn, class Fn>
-void for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn) {
+void for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn, bool step = false) {
   std::vector<std::size_t> first_chunk(count + 1, 0);
   std::size_t elements = 0;
   for (std::size_t t = 0; t < count; ++t) {
@@ -108,7 +109,7 @@ void for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn) {
   };
   const std::size_t ntasks = first_chunk[count];
   const std::size_t max_threads = std::max<std::size_t>(1, elements / kElementsPerThread);
-  if (!prefetch_calibrates(elements)) return run_tasks(ntasks, task, &ctx, max_threads);
+  if (!step || !prefetch_calibrates(elements)) return run_tasks(ntasks, task, &ctx, max_threads);
   std::vector<std::size_t> ends(ntasks);  // elements of chunks [0, k]
   for (std::size_t t = 0, k = 0, total = 0; t < count; ++t)
     for (std::size_t b = 0, n = numel(t); b < n; b += kChunkElements, ++k)
@@ -171,7 +172,8 @@ void run_kernel(KernelFn<Coeffs> kernel,
   auto numel = [&](std::size_t i) { return tensors[i].numel; };
   if (!staged(tensors, count, io)) {
     for_each_chunk(count, numel, [&](std::size_t i, std::size_t begin, std::size_t end,
-                                     std::size_t) { kernel(coeffs[i], tensors[i], begin, end); });
+                                     std::size_t) { kernel(coeffs[i], tensors[i], begin, end); },
+                   true);
     return;
   }
   const KernelTable& isa = active_kernels();
@@ -275,7 +277,7 @@ void run_kernel(KernelFn<Coeffs> kernel,
     }
     if (t.model_copy) isa.stream_fence();
     if (io) stats[chunk] = s;
-  });
+  }, true);
   if (!io) return;
   float nonfinite = 0.0f;
   double sum_sq = 0.0;
