@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 
+#include <pthread.h>
 #include <sys/resource.h>
 
 #include "parallel.hpp"
@@ -39,7 +40,13 @@ struct Tuning {
 };
 
 Tuning& tuning() {
-  static Tuning* t = new Tuning;  // never destroyed: steps may run during exit
+  static Tuning* t = [] {
+    Tuning* made = new Tuning;  // never destroyed: steps may run during exit
+    // a fork() waits for the lock, so the child never inherits it held
+    pthread_atfork([] { tuning().mutex.lock(); }, [] { tuning().mutex.unlock(); },
+                   [] { tuning().mutex.unlock(); });
+    return made;
+  }();
   return *t;
 }
 
