@@ -145,7 +145,10 @@ def staggered_zeros(p: torch.Tensor, slot: int, slots: int) -> torch.Tensor:
     memory mapping (freed with the tensor, as ``host_zeros``'), with its first element at the
     page offset of ``p``'s plus ``(slot + 1) * PAGE / (slots + 1)`` bytes (rounded down to a
     64-byte cache line), modulo :data:`PAGE`: slot k's element i then never shares its
-    position in a page with the parameter's element i or another slot's.
+    position in a page with the parameter's element i or another slot's. The mapping is private
+    and advised for transparent huge pages (``MADV_HUGEPAGE``, where the OS has it; used when
+    ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``): fewer TLB
+    misses for a step streaming through several such arrays.
 
     Why: a step reads and writes element i of the parameter and of every state array together;
     with each array in a page-aligned mapping of its own (``host_zeros``, and a parameter
@@ -155,11 +158,15 @@ def staggered_zeros(p: torch.Tensor, slot: int, slots: int) -> torch.Tensor:
     page per tensor and changes nothing else: the tensor is contiguous, its storage starts at
     its first element, and it saves and loads as any other."""
     n = p.numel()
-    if n * 4 < LARGE or p.dtype != torch.float32:
+    if n * 4 < LARGE or p.dtype != torch.float32 or not hasattr(mmap, "MAP_PRIVATE"):
         return host_zeros(p.shape, torch.float32)
     stride = PAGE // (slots + 1) // 64 * 64
     offset = (p.data_ptr() + (slot + 1) * stride) % PAGE // 64 * 64
-    buffer = mmap.mmap(-1, n * 4 + offset)  # zero-filled; freed with the tensor
+    # private (as malloc's memory; a shared mapping is shmem, which gets no transparent huge
+    # pages), zero-filled, freed with the tensor
+    buffer = mmap.mmap(-1, n * 4 + offset, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=torch.float32, count=n, offset=offset).view(p.shape)
 
 
