@@ -110,11 +110,28 @@ def test_a_bad_environment_value_fails_at_import(value):
         r.stderr
 
 
+def _vm_flags(address: int) -> str | None:
+    """The VmFlags line of the mapping holding ``address`` (/proc/self/smaps), or None."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line[len("VmFlags:"):]
+    return None
+
+
 @pytest.mark.parametrize("ours", [rpo.Adam, rpo.Adadelta, rpo.Adagrad])
 def test_large_state_sits_at_its_own_page_offsets(ours):
     """A large float32 parameter's state tensors start at page offsets apart from the
     parameter's and from each other's (by a page / (slots + 1)), each in a storage of exactly
-    its own bytes; a small parameter's state is not moved."""
+    its own bytes, in private memory advised for transparent huge pages."""
     big = torch.nn.Parameter(torch.rand(300_001))
     small = torch.nn.Parameter(torch.rand(17))
     for p in (big, small):
@@ -131,6 +148,9 @@ def test_large_state_sits_at_its_own_page_offsets(ours):
         assert t.data_ptr() % PAGE == (big.data_ptr() + (k + 1) * stride) % PAGE // 64 * 64
         offsets.append(t.data_ptr() % PAGE)
     assert len(set(offsets)) == len(offsets), offsets
+    flags = _vm_flags(opt.state[big][slots[0]].data_ptr())
+    if flags is not None:  # Linux: private memory (not shmem), advised for huge pages
+        assert "hg" in flags.split() and "sh" not in flags.split(), flags
     # and it trains as torch's own state would: state_dict into torch.optim and back
     ref = getattr(torch.optim, ours.__name__)([torch.nn.Parameter(big.detach().clone()),
                                                torch.nn.Parameter(small.detach().clone())])
