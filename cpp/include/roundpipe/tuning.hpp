@@ -6,9 +6,12 @@
 // so it is chosen on the machine the library runs on: by default the first steps over at least
 // kPrefetchCalibrationElements elements (all tensors of one call together) calibrate it, in
 // rounds of blocks of chunks, each block of a round run with another candidate distance, timed,
-// the candidates' order rotated from round to round; after kPrefetchCalibrationRounds rounds
-// (within one call or over several) the candidate with the lowest median time relative to its
-// round's median is kept for the process. Until then, and for smaller steps, kDefaultPrefetchBytes.
+// the candidates' order rotated from round to round (a round in which the process faulted
+// pages in, as the first step over new state does, is dropped); after
+// kPrefetchCalibrationRounds rounds (within one call or over several) the candidate with the
+// lowest median time relative to its round's median is kept for the process. Only optimizer
+// steps calibrate (whole-array conversions do not prefetch). Until then, and for smaller
+// steps, kDefaultPrefetchBytes.
 // The environment variable ROUNDPIPE_PREFETCH=<bytes> (a multiple of 64, at most 16384; 0: no
 // software prefetch) or ROUNDPIPE_PREFETCH=auto (the default: calibrate) chooses at first use;
 // set_prefetch_distance() at run time.
