@@ -358,6 +358,8 @@ def layout_gaps(rows: list[dict]) -> list[dict]:
 
 
 def format_gap(g: dict) -> str:
+    """One line of :func:`layout_gaps`' output: the time ratio, the floor-normalised one and
+    both layouts' fractions of their floor."""
     return (f"{g['algorithm']:9s} one tensor ({g['one']}) / {g['many']}: "
             f"{g['time_ratio']:.3f}x the time per element; floor-normalised "
             f"{g['floor_normalised_ratio']:.3f}x ({100 * g['floor_fraction'][0]:.0f}% vs "
