@@ -7,6 +7,10 @@
 # Exits non-zero if any test fails or if a runner ran no test.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# idle OpenMP threads sleep instead of spinning: tests start several processes and threads on a
+# 2-core machine, where spinning threads take the CPU from those doing the work (see
+# docs/training.md, "A shared machine")
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 bash scripts/setup.sh --tests --peers qemu-user g++-aarch64-linux-gnu
 
 echo "== ctest (native)"
