@@ -655,7 +655,7 @@ class Steps:
                   [(o, tensor_version(o), o.detach().reshape(-1)[:1].clone())
                    for o, g in zip(copies.optim, grads) if g is not None])
         try:
-            with OptimizerCtx(), guards.inside_step():
+            with OptimizerCtx(), guards.inside_step(self):
                 result = plan.fn()
         finally:
             for o in copies.optim:
