@@ -85,3 +85,51 @@ def test_stepping_another_models_optimizer_inside_a_step_function_raises_naming_
     b.forward_backward(input_args=(x,), loss_fn=lambda o: o.square().mean())
     a.step(lambda: (opt_a.step(), b.step(opt_b)))
     assert b.accumulated_grads() == {n: None for n in b.accumulated_grads()}
+
+
+# --- item 6: state_dict round trips of the quantized base --------------------------------------
+
+
+def _quantized_net(fmt, dtype):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 200), torch.nn.Tanh(),
+                              torch.nn.Linear(200, 8)).to(dtype)
+    net[0].weight.requires_grad_(False)  # the frozen base
+    return roundpipe.RoundPipe(net, torch.float32, device="cpu", frozen_dtype=fmt)
+
+
+def _hf_quantized(fmt, dtype):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tc.make_model("llama").to(dtype), peft.LoraConfig(**LORA))
+    return roundpipe.wrap_model_to_roundpipe(model, torch.float32, device="cpu",
+                                             frozen_dtype=fmt)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "nf4-dq", "int8"])
+@pytest.mark.parametrize("build,dtype", [(_quantized_net, torch.float32),
+                                         (_quantized_net, torch.bfloat16),
+                                         (_hf_quantized, torch.bfloat16)])
+def test_state_dict_round_trips_keep_the_quantized_base_exact(fmt, build, dtype):
+    """Was: nf4-dq's absmax re-quantized from its own lossy values at every
+    load_state_dict(state_dict()), the frozen base (and the logits) moving each time. Now the
+    dequantized weights and the outputs are those before the round trips, bit for bit."""
+    model = build(fmt, dtype)
+    before = model.state_dict()  # the reference: dequantized weights before any round trip
+    if build is _quantized_net:
+        inputs = {"input_args": (torch.randn(4, 64, generator=torch.Generator().manual_seed(1)),)}
+    else:
+        inputs = {"input_kwargs": {"input_ids": torch.arange(24).view(2, 12) % tc.VOCAB}}
+    model.eval()
+    with torch.no_grad():
+        out = model(*inputs.get("input_args", ()), **inputs.get("input_kwargs", {}))
+    for _ in range(3):
+        model.load_state_dict(model.state_dict())
+    after = model.state_dict()
+    assert sorted(after) == sorted(before)
+    for k in before:
+        assert torch.equal(after[k], before[k]), k
+    with torch.no_grad():
+        again = model(*inputs.get("input_args", ()), **inputs.get("input_kwargs", {}))
+    if not isinstance(out, torch.Tensor):
+        out, again = out.logits, again.logits
+    assert torch.equal(again, out)
