@@ -27,6 +27,120 @@ import trainer_cases as tc  # noqa: E402
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
             task_type="CAUSAL_LM")
 
+# --- item 1: a trainer's own loss -------------------------------------------------------------
+
+
+def _z_loss(logits, labels, num_items_in_batch):
+    """Cross-entropy plus a z-loss (1e-2 * logsumexp^2), summed over the scored tokens and
+    divided by Trainer's count for the accumulation window (HF's shift)."""
+    logits = logits.float()
+    target = F.pad(labels, (0, 1), value=-100)[..., 1:].to(logits.device)
+    ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100,
+                         reduction="sum")
+    z = (torch.logsumexp(logits, -1).square() * (target != -100)).sum()
+    return (ce + 1e-2 * z) / num_items_in_batch
+
+
+class ZLoss:
+    """A compute_loss override as the transformers docs write one (labels popped, the model
+    called on the rest, the loss from the logits)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = _z_loss(outputs.logits, labels, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+
+class RowMean:
+    """A per-batch mean (over rows, of each row's token-mean cross-entropy), declared as not
+    scaled for the accumulation window: Trainer divides it by the number of steps."""
+
+    loss_is_scaled_for_ga = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        logits = outputs.logits.float()
+        target = F.pad(inputs["labels"], (0, 1), value=-100)[..., 1:].to(logits.device)
+        ce = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
+        valid = (target != -100).float()
+        loss = ((ce * valid).sum(1) / valid.sum(1).clamp(min=1)).mean()
+        return (loss, outputs) if return_outputs else loss
+
+
+class SuperPlusL2:
+    """Trainer's own loss (super().compute_loss, the model's HF loss) plus a penalty on the
+    logits: a mean over the batch that is no sum over tokens or mean over rows, so it is
+    computed on the whole batch (one microbatch) to be plain Trainer's."""
+
+    microbatches = 1
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                             num_items_in_batch=num_items_in_batch)
+        loss = loss + 10.0 * outputs.logits.float().square().mean()
+        return (loss, outputs) if return_outputs else loss
+
+
+def _run(cls, kind, out, rp_kwargs=None, **kw):
+    tc.reset_accelerate()
+    args = tc.training_args(out, max_steps=4, eval_steps=2, **kw.pop("args", {}))
+    extra = {} if rp_kwargs is None else {"roundpipe_kwargs": {"num_microbatch": 2, "device": "cpu",
+                                                               **rp_kwargs}}
+    trainer = cls(model=tc.make_model(kind), args=args, train_dataset=tc.TokenData(16),
+                  eval_dataset=tc.TokenData(8, 2), **kw, **extra)
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def builtin_logs(tmp_path_factory):
+    """Plain Trainer with HF's built-in loss: what an ignored override would train."""
+    return tc.train_logs(_run(transformers.Trainer, "llama",
+                              tmp_path_factory.mktemp("builtin")).state.log_history)
+
+
+@pytest.mark.parametrize("loss,mode", [(ZLoss, "sync"), (RowMean, "exact"), (SuperPlusL2, "sync"),
+                                       ("compute_loss_func", "async")])
+def test_a_trainers_own_loss_trains_as_with_plain_trainer(loss, mode, builtin_logs, tmp_path):
+    """Was: a compute_loss override silently ignored (HF's loss trained), compute_loss_func
+    refused. Now called per microbatch: logs, eval_loss and weights are plain Trainer's."""
+    kw = {}
+    if loss == "compute_loss_func":
+        plain_cls, our_cls = transformers.Trainer, RoundPipeTrainer
+        kw["compute_loss_func"] = lambda out, labels, num_items_in_batch: _z_loss(
+            out.logits, labels, num_items_in_batch)
+    else:
+        plain_cls = type("Plain", (loss, transformers.Trainer), {})
+        our_cls = type("Ours", (loss, RoundPipeTrainer), {})
+    ref = _run(plain_cls, "llama", tmp_path / "ref", **kw)
+    ours = _run(our_cls, "llama", tmp_path / "ours",
+                {"step_mode": mode, "num_microbatch": getattr(loss, "microbatches", 2)}, **kw)
+    ref_logs, our_logs = tc.train_logs(ref.state.log_history), tc.train_logs(ours.state.log_history)
+    tc.assert_same_logs(our_logs, ref_logs)
+    ref_eval, our_eval = tc.eval_logs(ref.state.log_history), tc.eval_logs(ours.state.log_history)
+    assert len(our_eval) == len(ref_eval) == 2
+    for a, b in zip(our_eval, ref_eval):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=tc.REL)
+    got = ours.model.state_dict()
+    for name, want in ref.model.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=name)
+    # the reference differs from HF's built-in loss, so an ignored override cannot pass
+    assert any(a[k] != pytest.approx(b[k], rel=1e-2) for a, b in zip(builtin_logs, ref_logs)
+               for k in ("loss", "grad_norm"))
+
+
+def test_a_compute_loss_that_calls_the_model_on_other_inputs_is_refused(tmp_path):
+    class Shifted(RoundPipeTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = model(input_ids=inputs["input_ids"].roll(1, 1),
+                        attention_mask=inputs["attention_mask"])
+            return out.logits.float().mean()
+
+    with pytest.raises(ValueError, match="compute_loss called the model with other inputs"):
+        _run(Shifted, "llama", tmp_path, {})
+
+
 # --- item 3: a returned loss saved with torch.save ---------------------------------------------
 
 

@@ -39,12 +39,13 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..grad_scaler import GradScaler
 from ..torch_private import init_hook_registries
 from ..wrapper import RoundPipe
+from . import trainer_loss
 from .loss import count_items
 
 STEP_MODES = ("sync", "exact", "async")
 STATE_DIR = "roundpipe_state"  # inside a Trainer checkpoint folder: roundpipe.save_checkpoint's
 _SCHEDULER_NAME = "scheduler.pt"
-_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels")
+_INPUT_KEYS = trainer_loss.MODEL_KEYS + ("labels",)
 
 # TrainingArguments.optim values and the roundpipe.optim class they become
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_npu_fused",
@@ -155,6 +156,10 @@ class RoundPipeTrainerMixin:
     decide whether the scheduler advances).
     """
 
+    # the trainer classes whose compute_loss RoundPipe's training_step replaces by the pipeline's
+    # chunked causal-LM loss; an override in any other class is the trainer's own loss
+    _rp_builtin_loss: tuple = (Trainer,)
+
     def __init__(self, *pos: Any, roundpipe_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
         rp_kwargs = dict(roundpipe_kwargs or {})
         if not isinstance(roundpipe_kwargs, (dict, type(None))):
@@ -172,9 +177,6 @@ class RoundPipeTrainerMixin:
         training_args = kwargs.get("args", pos[1] if len(pos) > 1 else None)
         if training_args is not None:
             self._check_arguments(training_args)
-        if kwargs.get("compute_loss_func") is not None:
-            raise ValueError("RoundPipeTrainer: compute_loss_func is not supported: the loss is "
-                             "HF's causal-LM loss, computed in chunks inside the pipeline")
         if kwargs.get("model_init") is not None:
             raise ValueError("RoundPipeTrainer: model_init is not supported (Trainer would "
                              "replace the wrapped model by an unwrapped one); pass model=")
@@ -183,6 +185,7 @@ class RoundPipeTrainerMixin:
         self._rp_scaler: Optional[GradScaler] = None
         self._rp_norm: Optional[torch.Tensor] = None
         self._rp_metric_warned = False
+        self._rp_loss: Optional[str] = None  # a loss of the trainer's own (_check_after_init)
         super().__init__(*pos, **kwargs)
         if self.args.fp16:
             self._rp_scaler = GradScaler()
@@ -221,11 +224,15 @@ class RoundPipeTrainerMixin:
                              "RoundPipe keeps only the stage inputs, on the host, already")
 
     def _check_after_init(self) -> None:
-        """What can only be seen on the built trainer (a ``compute_loss_func`` passed
-        positionally)."""
-        if self.compute_loss_func is not None:
-            raise ValueError("RoundPipeTrainer: compute_loss_func is not supported: the loss is "
-                             "HF's causal-LM loss, computed in chunks inside the pipeline")
+        """What can only be seen on the built trainer: a loss of its own (a ``compute_loss``
+        override or ``compute_loss_func``, see :mod:`roundpipe.hf.trainer_loss`), refused
+        for a MoE model whose router auxiliary loss HF adds to the model's loss."""
+        self._rp_loss = trainer_loss.loss_override(self, self._rp_builtin_loss)
+        routing = getattr(self.model, "_routing", None)
+        if self._rp_loss is not None and routing is not None and routing.coef is not None:
+            raise ValueError(f"RoundPipeTrainer: a {self._rp_loss} of the trainer's own is not "
+                             "supported for a MoE model with output_router_logits=True (the "
+                             "router auxiliary loss is added to the built-in loss only)")
 
     # --- model and accelerate -------------------------------------------------------------------
 
@@ -373,7 +380,7 @@ class RoundPipeTrainerMixin:
         """The batch's tensors for the pipeline (on the host, HF's keyword names)."""
         out = {}
         for k, v in inputs.items():
-            if k not in _INPUT_KEYS:
+            if k not in _INPUT_KEYS and not self._rp_loss:  # a loss of its own may read them
                 if v is None or k in ("use_cache", "return_dict"):
                     continue
                 raise TypeError(f"RoundPipeTrainer.{where}: the batch holds {k!r}, which the "
@@ -385,11 +392,20 @@ class RoundPipeTrainerMixin:
 
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """One batch of the accumulation window through ``forward_backward`` (HF's built-in
-        loss, divided by ``num_items_in_batch`` as Trainer's model call does); returns what
-        Trainer's ``training_step`` returns, on ``args.device``."""
+        loss, divided by ``num_items_in_batch`` as Trainer's model call does; or the trainer's
+        own ``compute_loss`` per microbatch, see :mod:`roundpipe.hf.trainer_loss`); returns
+        what Trainer's ``training_step`` returns, on ``args.device``."""
         rp = self.model
         rp.train()
         batch = self._host_inputs(inputs, "training_step")
+        step_kwargs = self._step_kwargs()
+        if self._rp_loss:
+            ranks = 1
+            if rp.process_group is not None and rp.grad_reduction == "sum":
+                ranks = torch.distributed.get_world_size(rp.process_group)
+            loss = trainer_loss.training_loss(self, rp, batch, num_items_in_batch, ranks,
+                                              **step_kwargs)
+            return loss.detach().to(self.args.device)
         if "labels" not in batch:
             raise ValueError("RoundPipeTrainer: the batch has no labels (the pipeline computes "
                              "HF's causal-LM loss from them)")
@@ -407,6 +423,12 @@ class RoundPipeTrainerMixin:
             elif self.args.n_gpu > 1:
                 num *= self.args.n_gpu
         batch["num_items_in_batch"] = num
+        loss = rp.forward_backward(input_kwargs=batch, **step_kwargs)
+        return (loss.detach() * scale).to(self.args.device)
+
+    def _step_kwargs(self) -> dict:
+        """``forward_backward``'s step arguments for this batch: the loss scaler, and in exact
+        mode on the window's last batch the optimizer (and clipping)."""
         step_kwargs: dict = {"grad_scaler": self._rp_scaler}
         last = self.accelerator.gradient_state.sync_gradients
         if self._rp_mode == "exact" and last:
@@ -415,16 +437,16 @@ class RoundPipeTrainerMixin:
             clip = self.args.max_grad_norm
             step_kwargs.update(optimizer=self.optimizer.real,
                                max_grad_norm=float(clip) if clip and clip > 0 else None)
-        loss = rp.forward_backward(input_kwargs=batch, **step_kwargs)
-        return (loss.detach() * scale).to(self.args.device)
+        return step_kwargs
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool,
                         ignore_keys: Optional[list] = None):
         """Evaluation of a batch: with labels and ``prediction_loss_only``, the loss through the
         pipeline without the logits (the chunked loss, summed over the batch's scored tokens and
         divided by ``num_items_in_batch`` as Trainer's ``compute_loss`` does); otherwise the
-        wrapper's ``forward`` (full logits on the host). Pending optimizer work is finished
-        first (asynchronous mode: the weights are synchronized)."""
+        wrapper's ``forward`` (full logits on the host), and with a loss of the trainer's own
+        its ``compute_loss`` on them. Pending optimizer work is finished first (asynchronous
+        mode: the weights are synchronized)."""
         rp = self.model
         rp.synchronize()
         rp.eval()
@@ -432,9 +454,13 @@ class RoundPipeTrainerMixin:
         labels = batch.get("labels")
         if labels is None:
             with torch.no_grad():
-                out = rp(**batch)
+                out = rp(**trainer_loss.model_inputs(batch))
             return None, (None if prediction_loss_only else out.logits), None
         num = self._get_num_items_in_batch([inputs], self.args.device)
+        if self._rp_loss:
+            loss, logits = trainer_loss.evaluation_loss(self, rp, batch, num)
+            loss = loss.to(self.args.device)
+            return (loss, None, None) if prediction_loss_only else (loss, logits, labels)
         if prediction_loss_only and getattr(rp, "_routing", None) is None:
             with torch.no_grad():
                 sums = RoundPipe.forward(rp, **batch)
