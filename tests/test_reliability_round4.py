@@ -141,6 +141,48 @@ def test_a_compute_loss_that_calls_the_model_on_other_inputs_is_refused(tmp_path
         _run(Shifted, "llama", tmp_path, {})
 
 
+# --- item 2: load_best_model_at_end with a PEFT model ------------------------------------------
+
+# a large constant learning rate on random tokens: the eval loss rises (4.5840, 4.5852,
+# 4.5928), the best checkpoint is the first, not the last, so loading it changes the weights;
+# Adam's eps near the updates (LoRA's A gets no gradient while B is 0: see DESIGN.md, 5)
+BEST = dict(max_steps=6, eval_steps=2, save_strategy="steps", save_steps=2,
+            load_best_model_at_end=True, metric_for_best_model="eval_loss",
+            learning_rate=0.05, warmup_steps=0, lr_scheduler_type="constant", adam_epsilon=1e-2)
+
+
+def _lora_run(cls, out, **kw):
+    peft = pytest.importorskip("peft")
+    tc.reset_accelerate()
+    model = peft.get_peft_model(tc.make_model("llama"), peft.LoraConfig(**LORA))
+    trainer = cls(model=model, args=tc.training_args(out, **BEST, **kw),
+                  train_dataset=tc.TokenData(16), eval_dataset=tc.TokenData(8, 2),
+                  **({} if cls is transformers.Trainer else
+                     {"roundpipe_kwargs": {"num_microbatch": 2, "device": "cpu"}}))
+    trainer.train()
+    return trainer, {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
+
+
+@pytest.fixture(scope="module")
+def plain_lora_best(tmp_path_factory):
+    return _lora_run(transformers.Trainer, tmp_path_factory.mktemp("plain"))
+
+
+@pytest.mark.parametrize("save_only_model", [False, True])
+def test_load_best_model_at_end_with_peft_loads_the_best_adapter_as_plain_trainer(
+        save_only_model, plain_lora_best, tmp_path):
+    """Was: FileNotFoundError (pytorch_model.bin) after the whole run. Now the best checkpoint's
+    adapter (from its RoundPipe state, or with save_only_model=True its adapter file) is the
+    model's at the end, as with plain Trainer + PEFT."""
+    ref, want = plain_lora_best
+    ours, got = _lora_run(RoundPipeTrainer, tmp_path, save_only_model=save_only_model)
+    assert ref.state.best_model_checkpoint.endswith("checkpoint-2")
+    assert ours.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    assert sorted(got) == sorted(want) and want
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
 # --- item 3: a returned loss saved with torch.save ---------------------------------------------
 
 

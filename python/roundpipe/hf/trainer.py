@@ -520,6 +520,33 @@ class RoundPipeTrainerMixin:
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
         """Nothing: loaded with the RoundPipe checkpoint."""
 
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights into the RoundPipe (both
+        copies), as plain Trainer loads them into its model: the full-precision weights of its
+        RoundPipe checkpoint (every rank takes part); without one (``save_only_model=True``),
+        the PEFT adapter or the HF weights ``save_model`` wrote (the model copy's dtype)."""
+        best = self.state.best_model_checkpoint
+        if os.path.isdir(os.path.join(best, STATE_DIR)):
+            load_checkpoint(os.path.join(best, STATE_DIR), self.model)
+            return
+        peft_model = self.model.peft_model
+        if peft_model is None:
+            return super()._load_best_model()  # model.safetensors into RoundPipe.load_state_dict
+        from peft.utils import get_peft_model_state_dict, load_peft_weights
+
+        # the adapter file's keys are PeftModel.state_dict()'s without the adapter name: PEFT's
+        # own renaming, applied to the live parameters, gives the key of each
+        live = peft_model.state_dict(keep_vars=True)
+        names = {id(t): k for k, t in live.items()}
+        saved_keys = {k: names[id(t)] for k, t in get_peft_model_state_dict(
+            peft_model, state_dict=live).items()}
+        adapter = load_peft_weights(best, device="cpu")
+        unknown = sorted(set(adapter) - set(saved_keys))
+        if unknown:
+            raise ValueError(f"RoundPipeTrainer: the adapter of the best checkpoint {best!r} "
+                             f"holds tensors this model has not: {unknown[:5]}")
+        self.model.load_state_dict({saved_keys[k]: t for k, t in adapter.items()}, strict=False)
+
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
         """``save_model``: ``save_pretrained`` of the wrapped model (an HF checkpoint, or the PEFT
         adapter; every rank takes part, rank 0 writes), the tokenizer and the arguments."""
