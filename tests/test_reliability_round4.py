@@ -208,6 +208,43 @@ def test_a_returned_loss_saved_with_torch_save_loads_with_weights_only():
         loss.backward()
 
 
+# --- item 4: optim_args as transformers parses them ------------------------------------------
+
+
+def test_sgd_optim_args_train_as_plain_trainer_with_torch_sgd(tmp_path):
+    """Was: the string 'False' reached roundpipe.optim.SGD and the first step failed in the
+    binding. Now parsed as transformers parses them for torch.optim.SGD."""
+    args = {"optim": "sgd", "optim_args": "momentum=0.9, nesterov=False", "learning_rate": 0.05}
+    ref = _run(transformers.Trainer, "llama", tmp_path / "ref", args=args)
+    ours = _run(RoundPipeTrainer, "llama", tmp_path / "ours", {}, args=args)
+    assert type(ref.optimizer.optimizer).__name__ == "SGD"
+    assert ours.optimizer.real.defaults["momentum"] == 0.9
+    assert ours.optimizer.real.defaults["nesterov"] is False
+    tc.assert_same_logs(tc.train_logs(ours.state.log_history),
+                        tc.train_logs(ref.state.log_history))
+
+
+@pytest.mark.parametrize("optim,optim_args,match", [
+    ("sgd", "momentum=0.9,nesterov", "key=value"),      # not a pair
+    ("sgd", "momentum=fast", "momentum|float"),          # not a number
+    ("sgd", "momentum=0.9,betas=0.5", "ignores 'betas'"),
+    ("adamw_torch", "amsgrad=True", "ignores 'amsgrad'"),
+    ("sgd", "momentum=-0.5", "momentum"),                # refused by the optimizer
+    ("sgd", "nesterov=True", "esterov"),                 # nesterov needs a momentum
+])
+def test_bad_optim_args_are_refused_at_construction_naming_them(optim, optim_args, match,
+                                                                tmp_path):
+    model = tc.make_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tc.reset_accelerate()
+    with pytest.raises(ValueError, match="optim_args") as info:
+        RoundPipeTrainer(model=model, args=tc.training_args(tmp_path, optim=optim,
+                                                            optim_args=optim_args),
+                         train_dataset=tc.TokenData(8))
+    assert info.match(match)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 # --- item 5: another RoundPipe's optimizer stepped inside a step function ------------------------
 
 

@@ -209,6 +209,7 @@ class RoundPipeTrainerMixin:
                              f"supported: {', '.join(_SUPPORTED_OPTIM)} (roundpipe.optim.AdamW, "
                              "Adafactor, SGD), or pass optimizers=(opt, None) with an optimizer "
                              "built on model.optim_parameters()")
+        _optimizer_cls_and_kwargs(args)  # optim_args refused here, not at the first step
         on = [n for n in ("activation_checkpointing", "gradient_checkpointing")
               if getattr(args, n, None)]
         if on:
@@ -320,6 +321,11 @@ class RoundPipeTrainerMixin:
                 cls, kwargs = self.optimizer_cls_and_kwargs
             else:
                 cls, kwargs = _optimizer_cls_and_kwargs(self.args)
+                if self.args.optim == "adafactor":
+                    warnings.warn("RoundPipeTrainer: optim='adafactor' runs "
+                                  "roundpipe.optim.Adafactor, which has torch.optim.Adafactor's "
+                                  "algorithm (not transformers' Adafactor)", UserWarning,
+                                  stacklevel=2)
             real = cls(groups, **kwargs)
         self.optimizer = StepProxy(real, self)
         return self.optimizer
@@ -562,25 +568,47 @@ class RoundPipeTrainerMixin:
 
 
 def _optimizer_cls_and_kwargs(args: Any) -> tuple[type, dict]:
-    """``TrainingArguments.optim`` as a ``roundpipe.optim`` class and its keyword arguments
-    (those Trainer gives the torch class)."""
+    """``TrainingArguments.optim`` and ``optim_args`` as a ``roundpipe.optim`` class and its
+    keyword arguments: those transformers gives the torch class
+    (``Trainer.get_optimizer_cls_and_kwargs``: ``optim_args`` parsed as it parses them, e.g.
+    ``"momentum=0.9,nesterov=False"`` for SGD), for ``roundpipe.optim``'s class of the same name
+    (``optim="adafactor"``: ``roundpipe.optim.Adafactor`` with ``lr``).
+
+    Raises:
+        ValueError: naming ``optim_args``, when they are not ``key=value`` pairs, when
+            transformers would ignore one of them for this optimizer (for ``adamw_*`` and
+            ``adafactor`` it reads none), or when the optimizer refuses a value (it is built
+            once on a stand-in tensor to check them).
+    """
     from .. import optim as rpo
 
-    extra = {}
+    where = f"RoundPipeTrainer: optim_args={args.optim_args!r}"
+    try:
+        torch_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    except ValueError as e:  # a pair without "=", a number that does not parse
+        raise ValueError(f"{where} (optim={getattr(args.optim, 'value', args.optim)!r}): {e}; "
+                         "give comma-separated key=value pairs, e.g. "
+                         "'momentum=0.9,nesterov=False'") from e
+    if args.optim == "adafactor":
+        cls, kwargs = rpo.Adafactor, {"lr": args.learning_rate}
+    else:
+        cls = getattr(rpo, torch_cls.__name__)  # AdamW, SGD
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}
     if args.optim_args:
-        for pair in args.optim_args.replace(" ", "").split(","):
-            key, value = pair.split("=")
-            extra[key] = float(value) if value.replace(".", "", 1).replace("e-", "", 1).isdigit() \
-                else value
-    if args.optim in _ADAMW:
-        return rpo.AdamW, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
-                           "eps": args.adam_epsilon, **extra}
-    if args.optim == "sgd":
-        return rpo.SGD, {"lr": args.learning_rate, **extra}
-    warnings.warn("RoundPipeTrainer: optim='adafactor' runs roundpipe.optim.Adafactor, which has "
-                  "torch.optim.Adafactor's algorithm (not transformers' Adafactor)", UserWarning,
-                  stacklevel=3)
-    return rpo.Adafactor, {"lr": args.learning_rate, **extra}
+        keys = [pair.split("=")[0] for pair in args.optim_args.replace(" ", "").split(",")]
+        ignored = [k for k in keys if k not in kwargs]
+        if ignored:
+            raise ValueError(
+                f"{where}: transformers ignores {', '.join(map(repr, ignored))} for "
+                f"optim={getattr(args.optim, 'value', args.optim)!r} (plain Trainer would "
+                "train without them); remove them, or pass optimizers=(opt, None) with "
+                f"roundpipe.optim.{cls.__name__}(trainer.model.optim_parameters(), ...) built "
+                "as you want it")
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: roundpipe.optim.{cls.__name__} refuses {kwargs}: {e}") from e
+    return cls, kwargs
 
 
 class _WrapModel(Trainer):
