@@ -326,3 +326,90 @@ def test_state_dict_round_trips_keep_the_quantized_base_exact(fmt, build, dtype)
     if not isinstance(out, torch.Tensor):
         out, again = out.logits, again.logits
     assert torch.equal(again, out)
+
+
+# --- item 7: bf16 / fp16 and the model the trainer wraps ---------------------------------------
+
+
+@pytest.mark.parametrize("rp_kwargs,error", [({"num_microbatch": 0}, ValueError),
+                                             ({"pin_memory": "always"}, ValueError),
+                                             ({"microbatches": 2}, TypeError)])
+def test_refused_roundpipe_kwargs_leave_the_model_as_it_was(rp_kwargs, error, tmp_path):
+    """Was: bf16=True had already cast the user's model to bf16 in place when the wrapper
+    refused its arguments. Now the model is the one given (reference: its state before)."""
+    tc.reset_accelerate()
+    model = tc.make_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    with pytest.raises(error):
+        RoundPipeTrainer(model=model, args=tc.training_args(tmp_path, bf16=True),
+                         train_dataset=tc.TokenData(8), roundpipe_kwargs=rp_kwargs)
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert all(a is b for a, b in zip(model.parameters(), params))
+
+
+@pytest.mark.parametrize("flag", ["bf16", "fp16"])
+def test_a_model_wrapped_before_the_trainer_says_it_ignores_bf16_and_fp16(flag, tmp_path):
+    """Was: the float32 model copy trained in float32 without a word. Now a warning naming the
+    flag and the dtype; a model wrapped in the asked dtype gets none."""
+    tc.reset_accelerate()
+    wrapped = roundpipe.wrap_model_to_roundpipe(tc.make_model("llama"), device="cpu")
+    args = {flag: True, "eval_strategy": "no"}
+    with pytest.warns(UserWarning, match=f"{flag}=True is ignored.*torch.float32 model copy"):
+        RoundPipeTrainer(model=wrapped, args=tc.training_args(tmp_path, **args),
+                         train_dataset=tc.TokenData(8))
+    tc.reset_accelerate()
+    dtype = torch.bfloat16 if flag == "bf16" else torch.float16
+    same = roundpipe.wrap_model_to_roundpipe(tc.make_model("llama").to(dtype), torch.float32,
+                                             device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        RoundPipeTrainer(model=same, args=tc.training_args(tmp_path, **args),
+                         train_dataset=tc.TokenData(8))
+
+
+# --- item 7: from_pretrained's dtypes and corrupt shards -----------------------------------------
+
+
+def _saved_llama(path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="40KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.self_attn.q_proj.weight"
+    return name, path / index[name]
+
+
+def _lora():
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                           lora_dropout=0.0, init_lora_weights=False)
+
+
+def test_from_pretrained_refuses_an_integer_tensor_for_a_floating_weight_naming_it(tmp_path):
+    """Was: an int32 tensor cast to the model dtype and quantized, silently. Now refused before
+    any weight is read, naming the tensor and its shard."""
+    from safetensors.torch import load_file, save_file
+
+    name, shard = _saved_llama(tmp_path)
+    tensors = load_file(shard)
+    tensors[name] = (tensors[name] * 1000).to(torch.int32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    for kw in ({}, {"frozen_dtype": "nf4", "peft_config": _lora()}):
+        with pytest.raises(ValueError, match=f"{name} in {shard.name} is I32"):
+            roundpipe.hf.from_pretrained(tmp_path, device="cpu", **kw)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header"])
+def test_from_pretrained_names_a_corrupt_shard(tmp_path, damage):
+    """Was: safetensors' own "Error while deserializing header" without the file. Now a
+    ValueError naming the shard."""
+    _, shard = _saved_llama(tmp_path)
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2] if damage == "truncated"
+                      else data[:8] + b"{" + b"x" * 30 + data[39:])
+    with pytest.raises(ValueError, match=f"{shard}.* not a readable safetensors file"):
+        roundpipe.hf.from_pretrained(tmp_path, device="cpu")

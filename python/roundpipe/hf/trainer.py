@@ -634,6 +634,7 @@ class _WrapModel(Trainer):
             if self._rp_kwargs:
                 raise TypeError("RoundPipeTrainer: roundpipe_kwargs are for a model the trainer "
                                 "wraps; this one is already wrapped")
+            _warn_ignored_precision(model, args)
             return model
         if model is None or not is_hf_model(model):
             raise TypeError("RoundPipeTrainer: model must be a transformers causal LM, a "
@@ -644,15 +645,59 @@ class _WrapModel(Trainer):
             kwargs.setdefault("device", "cpu")
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         optim_dtype = kwargs.pop("optim_dtype", None)
-        if dtype is not None:
-            if optim_dtype is None:
-                optim_dtype = torch.float32
-            model = model.to(dtype)
         world = args.world_size  # sets up torch.distributed under torchrun, as Trainer does
         if world > 1 and torch.distributed.is_initialized():
             kwargs["process_group"] = torch.distributed.group.WORLD
             kwargs["grad_reduction"] = "sum" if args.average_tokens_across_devices else "mean"
-        return wrap_model_to_roundpipe(model, optim_dtype, **kwargs)
+        undo = lambda: None  # noqa: E731
+        if dtype is not None:
+            if optim_dtype is None:
+                optim_dtype = torch.float32
+            undo = _cast(model, dtype)
+        try:
+            return wrap_model_to_roundpipe(model, optim_dtype, **kwargs)
+        except BaseException:
+            undo()  # a refused roundpipe_kwargs (or model) leaves the user's model as it was
+            raise
+
+
+def _cast(model: nn.Module, dtype: torch.dtype):
+    """``model.to(dtype)`` in place (the model copy ``bf16`` / ``fp16`` ask for), and the function
+    that undoes it exactly: every parameter, its data, every buffer and each quantized linear's
+    compute dtype as before (they are held until then: a wrapper that refuses its arguments
+    after the cast must leave the user's model as it was)."""
+    from ..quant import QuantizedLinear
+
+    params = [(m, n, p, p.data) for m in model.modules() for n, p in m._parameters.items()
+              if p is not None]
+    buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items()]
+    computes = [(m, m.compute_dtype) for m in model.modules() if isinstance(m, QuantizedLinear)]
+    model.to(dtype)
+
+    def undo() -> None:
+        for m, n, p, data in params:
+            p.data = data
+            m._parameters[n] = p
+        for m, n, b in buffers:
+            m._buffers[n] = b
+        for m, compute_dtype in computes:
+            m.compute_dtype = compute_dtype
+
+    return undo
+
+
+def _warn_ignored_precision(model: RoundPipe, args: Any) -> None:
+    """A model wrapped before the trainer keeps the dtype it was wrapped with: ``bf16=True`` /
+    ``fp16=True`` that ask for another one are ignored, with a ``UserWarning`` saying so."""
+    want = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    have = next((p.dtype for p in model.module.parameters() if p.is_floating_point()), None)
+    if want is not None and have is not None and have != want:
+        flag = "bf16" if args.bf16 else "fp16"
+        warnings.warn(f"RoundPipeTrainer: {flag}=True is ignored: the model was wrapped before "
+                      f"the trainer, with a {have} model copy, which RoundPipe computes in (no "
+                      f"autocast). To train in {want}, wrap model.to({want}) with "
+                      "optim_dtype=torch.float32, or give the trainer the unwrapped model",
+                      UserWarning, stacklevel=5)
 
 
 class RoundPipeTrainer(RoundPipeTrainerMixin, _WrapModel):
