@@ -145,7 +145,7 @@ def test_a_compute_loss_that_calls_the_model_on_other_inputs_is_refused(tmp_path
 
 # a large constant learning rate on random tokens: the eval loss rises (4.5840, 4.5852,
 # 4.5928), the best checkpoint is the first, not the last, so loading it changes the weights;
-# Adam's eps near the updates (LoRA's A gets no gradient while B is 0: see DESIGN.md, 5)
+# Adam's eps near the updates (LoRA's A gets no gradient while B is 0: docs/design.md §5)
 BEST = dict(max_steps=6, eval_steps=2, save_strategy="steps", save_steps=2,
             load_best_model_at_end=True, metric_for_best_model="eval_loss",
             learning_rate=0.05, warmup_steps=0, lr_scheduler_type="constant", adam_epsilon=1e-2)

@@ -7,7 +7,9 @@ plugs RoundPipe in as DeepSpeed plugs into Trainer:
 - the model is wrapped with :func:`roundpipe.wrap_model_to_roundpipe` before ``Trainer.__init__``
   sees it (``roundpipe_kwargs`` are the wrapper's options, plus ``step_mode``);
 - ``training_step`` runs ``forward_backward`` with HF's built-in whole-batch loss and the
-  ``num_items_in_batch`` Trainer computed over the accumulation window (and across ranks);
+  ``num_items_in_batch`` Trainer computed over the accumulation window (and across ranks), or
+  with the trainer's own loss (a ``compute_loss`` override, ``compute_loss_func``) called per
+  microbatch (:mod:`roundpipe.hf.trainer_loss`);
 - the optimizer Trainer holds is :class:`StepProxy`: it shares the param groups and state of the
   real optimizer (built on ``optim_parameters()``; LR schedulers work unchanged) and its
   ``step()`` is ``model.step(real_optimizer, grad_scaler=..., max_grad_norm=...)`` (clipping and
