@@ -5,7 +5,7 @@
 // each problem a TypeError/ValueError naming the argument and index, raised before anything is
 // touched), releases the GIL and calls the C++ step: over lists of tensors (`<algo>_step`) or
 // over a param group's cached StepPlan (`<algo>_step_plan`, step_plan.hpp). Also the compact
-// storage conversions and the ISA and thread controls, and the per-algorithm metadata the Python
+// storage conversions and the ISA, thread and prefetch controls, and the per-algorithm metadata the Python
 // optimizers derive their tables from (`algorithms`, `<Name>Options.fields`, `<Name>State`'s
 // slot names and int8 signedness). The module is not built against torch;
 // it imports torch on first use.
@@ -330,6 +330,25 @@ NB_MODULE(_C, m) {
         "ROUNDPIPE_ISA names an unknown or unsupported ISA.");
   m.def("set_isa", [](const std::string& name) { roundpipe::set_isa(roundpipe::parse_isa(name)); },
         nb::arg("isa"), "Forces an ISA by name. ValueError if unknown or unsupported.");
+  m.def("prefetch_choice", [] {
+    const roundpipe::PrefetchChoice c = roundpipe::prefetch_choice();
+    nb::dict d;
+    d["bytes"] = c.bytes;
+    d["source"] = c.source;
+    d["candidates"] = c.candidates;
+    d["relative_time"] = c.relative_time;
+    d["ns_per_element"] = c.ns_per_element;
+    d["rounds"] = c.rounds;
+    return d;
+  }, "The kernels' software prefetch distance and how it was chosen (roundpipe/tuning.hpp):\n"
+     "a dict of bytes, source, candidates, relative_time, ns_per_element, rounds. ValueError\n"
+     "if ROUNDPIPE_PREFETCH is neither 'auto' nor a multiple of 64 in [0, 16384].");
+  m.attr("PREFETCH_CALIBRATION_ELEMENTS") = roundpipe::kPrefetchCalibrationElements;
+  m.def("set_prefetch_distance", &roundpipe::set_prefetch_distance, nb::arg("bytes"),
+        "Fixes the prefetch distance (bytes ahead per float32 array, a multiple of 64 in\n"
+        "[0, 16384]; 0: none). ValueError otherwise.");
+  m.def("calibrate_prefetch", &roundpipe::calibrate_prefetch,
+        "Forgets the prefetch choice: the next large steps calibrate it again.");
   m.def("num_threads", &roundpipe::num_threads, "Threads an optimizer step uses.");
   m.def("set_num_threads", &roundpipe::set_num_threads, nb::arg("n"),
         "Sets the threads an optimizer step uses (>= 1).");

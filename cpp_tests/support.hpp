@@ -291,6 +291,40 @@ void expect_thread_count_does_not_change_results(const Algorithm<Options>& a, co
   roundpipe::set_num_threads(before);
 }
 
+// The software prefetch distance (roundpipe/tuning.hpp) changes when data arrives, never the
+// result: `steps` steps on tensors of 40017 elements (chunks, vectors and a tail) and 19, in one
+// call, on every ISA, with every candidate distance fixed; every buffer is compared with the
+// run without software prefetch. Restores calibration afterwards.
+template <class Options>
+void expect_prefetch_distance_does_not_change_results(const Algorithm<Options>& a,
+                                                      const Options& o, int steps = 3) {
+  std::mt19937 rng(5);
+  const std::vector<float> p0 = randn(40017, rng), p1 = randn(19, rng);
+  std::vector<std::vector<float>> grads0, grads1;
+  for (int k = 0; k < steps; ++k) {
+    grads0.push_back(randn(p0.size(), rng));
+    grads1.push_back(randn(p1.size(), rng));
+  }
+  for_each_isa([&](roundpipe::Isa) {
+    std::vector<Host> results;
+    for (std::size_t bytes : roundpipe::kPrefetchCandidates) {
+      roundpipe::set_prefetch_distance(bytes);
+      std::vector<Host> h{a.init(p0, o), a.init(p1, o)};
+      for (int k = 0; k < steps; ++k) {
+        const roundpipe::ParamBuffers t[2] = {h[0].view(grads0[k]), h[1].view(grads1[k])};
+        a.step(o, t, 2, nullptr);
+      }
+      results.insert(results.end(), h.begin(), h.end());
+    }
+    for (std::size_t c = 1; c < std::size(roundpipe::kPrefetchCandidates); ++c)
+      for (std::size_t j = 0; j < 2; ++j)
+        expect_identical(results[2 * c + j], results[j],
+                         std::to_string(roundpipe::kPrefetchCandidates[c]) + " B ahead vs none," +
+                             " tensor " + std::to_string(j) + ":");
+  });
+  roundpipe::calibrate_prefetch();
+}
+
 // One step, on every ISA, on 19 elements (a 16-lane vector body and a tail) of parameter 1 in
 // the initial state (then changed by prepare(h)) with the gradient 0.5 except NaN at 1 and 17,
 // inf at 3 and `tiny` at 18. Checks what holds for every algorithm that passes NaN on: NaN

@@ -78,6 +78,10 @@ TEST(Adadelta, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kAdadelta, options(4 | 8));
 }
 
+TEST(Adadelta, PrefetchDistanceDoesNotChangeResults) {
+  rptest::expect_prefetch_distance_does_not_change_results(kAdadelta, options(4 | 8));
+}
+
 TEST(Adadelta, MixedPrecisionPassEqualsItsComposition) {
   rptest::expect_mixed_precision_like_composition(kAdadelta, options(4 | 8));
 }

@@ -97,6 +97,10 @@ TEST(Adagrad, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kAdagrad, options(15));
 }
 
+TEST(Adagrad, PrefetchDistanceDoesNotChangeResults) {
+  rptest::expect_prefetch_distance_does_not_change_results(kAdagrad, options(15));
+}
+
 TEST(Adagrad, MixedPrecisionPassEqualsItsComposition) {
   rptest::expect_mixed_precision_like_composition(kAdagrad, options(15));
 }

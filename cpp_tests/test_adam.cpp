@@ -88,6 +88,10 @@ TEST(Adam, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kAdam, options(15));
 }
 
+TEST(Adam, PrefetchDistanceDoesNotChangeResults) {
+  rptest::expect_prefetch_distance_does_not_change_results(kAdam, options(15));
+}
+
 TEST(Adam, MixedPrecisionPassEqualsItsComposition) {
   rptest::expect_mixed_precision_like_composition(kAdam, options(15));
 }

@@ -99,6 +99,10 @@ TEST(Adamax, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kAdamax, options(7));
 }
 
+TEST(Adamax, PrefetchDistanceDoesNotChangeResults) {
+  rptest::expect_prefetch_distance_does_not_change_results(kAdamax, options(7));
+}
+
 TEST(Adamax, MixedPrecisionPassEqualsItsComposition) {
   rptest::expect_mixed_precision_like_composition(kAdamax, options(7));
 }

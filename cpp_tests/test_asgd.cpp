@@ -123,6 +123,10 @@ TEST(ASGD, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kASGD, options(2 | 4));
 }
 
+TEST(ASGD, PrefetchDistanceDoesNotChangeResults) {
+  rptest::expect_prefetch_distance_does_not_change_results(kASGD, options(2 | 4));
+}
+
 TEST(ASGD, MixedPrecisionPassEqualsItsComposition) {
   rptest::expect_mixed_precision_like_composition(kASGD, options(2 | 4));
 }

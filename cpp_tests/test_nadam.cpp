@@ -112,6 +112,10 @@ TEST(NAdam, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kNAdam, options(15));
 }
 
+TEST(NAdam, PrefetchDistanceDoesNotChangeResults) {
+  rptest::expect_prefetch_distance_does_not_change_results(kNAdam, options(15));
+}
+
 TEST(NAdam, MixedPrecisionPassEqualsItsComposition) {
   rptest::expect_mixed_precision_like_composition(kNAdam, options(15));
 }

@@ -124,6 +124,10 @@ TEST(RAdam, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kRAdam, options(7, kBeta2[0]), 7);
 }
 
+TEST(RAdam, PrefetchDistanceDoesNotChangeResults) {
+  rptest::expect_prefetch_distance_does_not_change_results(kRAdam, options(7, kBeta2[0]), 7);
+}
+
 TEST(RAdam, MixedPrecisionPassEqualsItsComposition) {
   // 7 steps: through the rectified branch from step 6.
   rptest::expect_mixed_precision_like_composition(kRAdam, options(7, kBeta2[0]), 7);

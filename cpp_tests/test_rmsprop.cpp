@@ -109,6 +109,10 @@ TEST(RMSprop, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kRMSprop, options(31));
 }
 
+TEST(RMSprop, PrefetchDistanceDoesNotChangeResults) {
+  rptest::expect_prefetch_distance_does_not_change_results(kRMSprop, options(31));
+}
+
 TEST(RMSprop, MixedPrecisionPassEqualsItsComposition) {
   rptest::expect_mixed_precision_like_composition(kRMSprop, options(31));
 }

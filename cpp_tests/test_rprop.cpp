@@ -143,6 +143,10 @@ TEST(Rprop, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kRprop, options(4));
 }
 
+TEST(Rprop, PrefetchDistanceDoesNotChangeResults) {
+  rptest::expect_prefetch_distance_does_not_change_results(kRprop, options(4));
+}
+
 TEST(Rprop, MixedPrecisionPassEqualsItsComposition) {
   rptest::expect_mixed_precision_like_composition(kRprop, options(4));
 }

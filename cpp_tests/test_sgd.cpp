@@ -150,6 +150,10 @@ TEST(SGD, ThreadCountDoesNotChangeResults) {
   rptest::expect_thread_count_does_not_change_results(kSGD, options(1 | 2 | 8 | 16));
 }
 
+TEST(SGD, PrefetchDistanceDoesNotChangeResults) {
+  rptest::expect_prefetch_distance_does_not_change_results(kSGD, options(1 | 2 | 8 | 16));
+}
+
 TEST(SGD, MixedPrecisionPassEqualsItsComposition) {
   rptest::expect_mixed_precision_like_composition(kSGD, options(1 | 2 | 8 | 16));
 }

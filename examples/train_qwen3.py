@@ -241,8 +241,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
 
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            """The message alone, first and short (argparse would print the usage of every
+            option above it: twenty lines that bury it)."""
+            self.exit(2, f"{self.prog}: {message}\n(--help lists every option)\n")
+
     # no abbreviations: the --resume command printed by --stop-after is built from the arguments
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter, allow_abbrev=False)
+    ap = Parser(description=__doc__, formatter_class=Formatter, allow_abbrev=False)
     ap.add_argument("--data", type=pathlib.Path, default=pathlib.Path(sysconfig.get_paths()["stdlib"]),
                     help="a text file, or a folder whose .py/.txt/.md/.rst files are read, "
                          f"except under folders named {', '.join(sorted(SKIP))} "

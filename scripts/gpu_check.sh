@@ -1,29 +1,46 @@
 #!/usr/bin/env bash
-# The GPU check, in one call on a machine with an NVIDIA GPU and no network (its python3
-# already holds torch with CUDA, transformers, peft, nanobind, scikit-build-core, cmake, ninja,
-# pytest; accelerate for the Trainer tests): builds RoundPipe with those packages, runs
-# tests/test_gpu.py and tests/test_trainer_gpu.py (RoundPipeTrainer on CUDA), then the pipeline
-# benchmark on a ~1.4B-parameter bf16 model against plain PyTorch on the same GPU (tokens/s,
-# waits, upload GB/s against a pinned copy's peak, reserved memory, bytes moved over their
-# floor), then the generation benchmark (tokens/s against plain transformers generate on the
-# same GPU, batch 1 and 64, weight bytes per generated token), then LoRA on an NF4 frozen base
-# (tokens/s and upload bytes against a bf16 base; one layer's dequantization time against its
-# upload time, bitsandbytes' dequantize_4bit alongside when installed), and prints the tables.
-# Budget: under 10 minutes on one H200.
-#   bash scripts/gpu_check.sh              # PYTHON=... to use another interpreter
-# Results also go to $OUT (or /tmp/gpu_check): test_gpu.txt, pipeline.json, generate.json,
-# qlora.json, table.txt.
-set -euo pipefail
+# The GPU check, in one call on a machine with an NVIDIA GPU and no network (its python3 already
+# holds torch with CUDA, nanobind, scikit-build-core, cmake, ninja, pytest, accelerate and a
+# transformers/peft; wheels of newer ones in .whl/ are installed to /tmp/site first, see
+# /work/.library/device/README.md). Sections, in this order (default: all but plans):
+#
+#   tests     tests/test_gpu.py, test_trainer_gpu.py, test_fused_dequant.py (the compiled
+#             dequantization on CUDA), test_generate_prefetch.py
+#   capped    the 1.82B Llama under a 3 GB cap: sync, async, exact; first loss against plain HF
+#   bench8k   bench pipeline, 1.82B Llama, 8 x 1024 tokens per step: sync, async, exact against
+#             plain HF with gradient checkpointing and FSDP2 with CPU offload; each mode's bound
+#   bench64k  the same at 64 x 1024 tokens per step (fine-tuning's usual 64k)
+#   profile   one exact-mode call of the 1.82B under torch.profiler and cProfile, and the CUDA
+#             memory history of two calls: $OUT/profile.tar
+#   generate  generation through the pipeline against transformers' generate and its bound,
+#             a bf16 and an NF4 base
+#   qlora     LoRA on an NF4 base against a bf16 base, upload-bound (1 x 512) and 4 x 512
+#   plans     (optional) the automatic stage plan against fixed ones at 4k and 64k tokens
+#
+#   bash scripts/gpu_check.sh                      # all but plans (budget: under 8 minutes)
+#   bash scripts/gpu_check.sh capped bench8k       # some sections
+# Each section is bounded by a timeout (SIGABRT: python -X faulthandler prints where it hung);
+# every result also goes to $OUT (default /tmp/gpu_check), and a summary table is printed last.
+set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export OUT=$out PYTHONUNBUFFERED=1
+sections=("$@")
+[ ${#sections[@]} -gt 0 ] || sections=(tests capped bench8k bench64k profile generate qlora)
+summary=()
+
+if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 echo "== environment"
-$PY -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '|',
-torch.cuda.get_device_name(0), '|', torch.cuda.device_count(), 'GPU(s)')"
-nproc
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda,
+'|', torch.cuda.get_device_name(0), '|', torch.cuda.device_count(), 'GPU(s) | transformers',
+transformers.__version__)"
+echo "$(nproc) CPUs, $(free -g | awk '/Mem:/ {print $2}') GB RAM"
 
 echo "== build (no network: the packages already installed)"
 start=$SECONDS
@@ -31,43 +48,53 @@ $PY -m pip install -q --no-build-isolation --no-deps --no-index . >"$out/build.t
   { tail -30 "$out/build.txt"; exit 1; }
 echo "built in $((SECONDS - start)) s"
 
-echo "== tests/test_gpu.py"
-start=$SECONDS
-set +e
-(cd /tmp && $PY -m pytest -q -p no:cacheprovider "$OLDPWD/tests/test_gpu.py" -x --timeout 240 -rs) \
-  2>&1 | tee "$out/test_gpu.txt"
-tests_rc=${PIPESTATUS[0]}
-set -e
-echo "tests: exit $tests_rc in $((SECONDS - start)) s"
+# run NAME SECONDS COMMAND...: one section, bounded, its output in $out/NAME.txt
+run() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name"
+  local begin=$SECONDS
+  (cd /tmp && timeout -s ABRT "$limit" "$@") 2>&1 | tee "$out/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  summary+=("$(printf '%-10s exit %3s in %4s s' "$name" "$rc" "$((SECONDS - begin))")")
+}
 
-echo "== tests/test_trainer_gpu.py: RoundPipeTrainer on CUDA against plain Trainer on the GPU"
-start=$SECONDS
-set +e
-(cd /tmp && $PY -m pytest -q -s -p no:cacheprovider "$OLDPWD/tests/test_trainer_gpu.py" -x \
-  --timeout 240 -rs) 2>&1 | tee "$out/test_trainer_gpu.txt"
-trainer_rc=${PIPESTATUS[0]}
-set -e
-echo "trainer tests: exit $trainer_rc in $((SECONDS - start)) s (skipped without accelerate)"
-[ "$trainer_rc" -eq 0 ] || [ "$tests_rc" -ne 0 ] || tests_rc=$trainer_rc
+here=$PWD
+gpu="$PY -X faulthandler $here/scripts/gpu"
+llama="--model llama --layers 24 --hidden 2560 --intermediate 6912 --heads 20 --kv-heads 4
+       --vocab 32000 --seq 1024 --one-model --repeats 5"
+for s in "${sections[@]}"; do
+  case $s in
+    tests)
+      run tests 420 $PY -X faulthandler -m pytest -q -p no:cacheprovider -rs \
+        "$here/tests/test_gpu.py" "$here/tests/test_trainer_gpu.py" \
+        "$here/tests/test_fused_dequant.py" "$here/tests/test_generate_prefetch.py" ;;
+    capped) PYTHONPATH=$here/scripts/gpu${PYTHONPATH:+:$PYTHONPATH} run capped 300 $gpu/capped.py ;;
+    bench8k)
+      run bench8k 300 $PY -X faulthandler -m roundpipe.bench pipeline $llama --batch 8 \
+        --microbatches 4 --iters 2 --modes sync async exact torch+recompute fsdp2-offload \
+        --json "$out/bench8k.json" ;;
+    bench64k)
+      run bench64k 420 $PY -X faulthandler -m roundpipe.bench pipeline $llama --batch 64 \
+        --microbatches 16 --iters 1 --modes async exact torch+recompute fsdp2-offload \
+        --json "$out/bench64k.json" ;;
+    profile) PYTHONPATH=$here/scripts/gpu${PYTHONPATH:+:$PYTHONPATH} run profile 240 $gpu/profile_call.py ;;
+    generate)
+      run generate 240 $PY -X faulthandler -m roundpipe.bench generate --device cuda:0 \
+        --dtype bfloat16 --layers 8 --hidden 2048 --heads 16 --kv-heads 8 --vocab 32000 \
+        --prompt 64 --new-tokens 16 --batch 1 16 --repeats 5 --frozen-dtype nf4 \
+        --json "$out/generate.json" ;;
+    qlora)
+      run qlora 240 $PY -X faulthandler -m roundpipe.bench qlora --device cuda:0 --hidden 2048 \
+        --layers 4 --configs 1x512 4x512 --repeats 5 --json "$out/qlora.json" ;;
+    plans) PYTHONPATH=$here/scripts/gpu${PYTHONPATH:+:$PYTHONPATH} run plans 420 $gpu/plans.py ;;
+    *) echo "unknown section $s (tests capped bench8k bench64k profile generate qlora plans)"
+       exit 2 ;;
+  esac
+done
 
-echo "== pipeline benchmark: bf16, 16 layers x 2560 (about 1.4B parameters), seq 1024, batch 8"
-start=$SECONDS
-(cd /tmp && $PY -m roundpipe.bench pipeline --devices cuda:0 --dtype bfloat16 --layers 16 \
-  --hidden 2560 --heads 20 --vocab 32000 --seq 1024 --batch 8 --iters 2 --repeats 5 \
-  --json "$out/pipeline.json") | tee "$out/table.txt"
-echo "benchmark in $((SECONDS - start)) s"
-
-echo "== generation benchmark: bf16 Llama, 16 layers x 2048, prompt 128, 32 new tokens, batch 1 and 64"
-start=$SECONDS
-(cd /tmp && $PY -m roundpipe.bench generate --device cuda:0 --dtype bfloat16 --layers 16 \
-  --hidden 2048 --heads 16 --kv-heads 8 --vocab 32000 --prompt 128 --new-tokens 32 \
-  --batch 1 64 --repeats 5 --json "$out/generate.json") | tee -a "$out/table.txt"
-echo "generation benchmark in $((SECONDS - start)) s"
-
-echo "== LoRA on an NF4 base on CUDA: tokens/s and uploads against a bf16 base (Llama 4 x 2048),"
-echo "   one 4096 x 11008 layer's dequantization against its upload (bitsandbytes' alongside)"
-start=$SECONDS
-(cd /tmp && $PY -m roundpipe.bench.qlora --device cuda:0 --hidden 2048 --layers 4 --seq 512 \
-  --repeats 5 --json "$out/qlora.json") | tee -a "$out/table.txt"
-echo "NF4 run in $((SECONDS - start)) s"
-exit "$tests_rc"
+echo "== summary"
+printf '%s\n' "${summary[@]}"
+grep -h -E "^ *(sync|async|exact): (first loss|bound)|x of it|tokens/step" \
+  "$out"/capped.txt "$out"/bench8k.txt "$out"/bench64k.txt "$out"/plans.txt 2>/dev/null
+! printf '%s\n' "${summary[@]}" | grep -qv "exit   0"

@@ -2,7 +2,9 @@
 # Sets up what the demo (and, with --tests, the test suite) needs, idempotently:
 #   - Debian packages: a C++ compiler, python3-venv; with --tests also GoogleTest (libgtest-dev);
 #     any further arguments are more Debian packages to install;
-#   - a virtual environment in .venv with requirements-dev.txt;
+#   - a virtual environment in .venv with requirements-dev.txt; with --peers also the benchmark
+#     peers of requirements-peers.txt in .venv/peers, outside the environment (put it on
+#     PYTHONPATH to use them: scripts/test.sh does);
 #   - RoundPipe built by CMake (scikit-build-core) into build/py and installed into .venv; with
 #     --tests the GoogleTest suite is built too (ctest --test-dir build/py runs it).
 # Steps whose inputs did not change since the last successful run are skipped (the hashes of
@@ -12,9 +14,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 tests=OFF
+peers=OFF
 packages=()
 for arg in "$@"; do
-  if [ "$arg" = --tests ]; then tests=ON; else packages+=("$arg"); fi
+  if [ "$arg" = --tests ]; then tests=ON
+  elif [ "$arg" = --peers ]; then peers=ON
+  else packages+=("$arg"); fi
 done
 
 need_apt=()
@@ -43,7 +48,30 @@ if stamp requirements "$req"; then
 else
   echo "== installing Python packages (requirements-dev.txt)"
   .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+  # the peers an older setup installed into .venv itself go (they belong in .venv/peers)
+  for pkg in $(grep -o '^[A-Za-z0-9_.-]*' requirements-peers.txt); do
+    if .venv/bin/python -m pip show -q "$pkg" >/dev/null 2>&1; then
+      echo "== removing $pkg from .venv (a benchmark peer: --peers puts it in .venv/peers)"
+      .venv/bin/python -m pip uninstall -q -y "$pkg"
+    fi
+  done
   echo "$req" > .venv/.stamp-requirements
+fi
+
+peer_req=$(sha256sum requirements-peers.txt | cut -d' ' -f1)
+if [ $peers = ON ]; then
+  if stamp peers "$peer_req"; then
+    echo "== benchmark peers: requirements-peers.txt unchanged, already in .venv/peers"
+  else
+    echo "== installing the benchmark peers into .venv/peers (requirements-peers.txt)"
+    rm -rf .venv/peers
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+      --target .venv/peers -r requirements-peers.txt
+    # torchao's wheel ships its test suite as a top-level package named `test`, which on
+    # PYTHONPATH would shadow the standard library's
+    rm -rf .venv/peers/test
+    echo "$peer_req" > .venv/.stamp-peers
+  fi
 fi
 
 # everything the build reads; the suite built or not is part of the stamp

@@ -14,7 +14,9 @@ raised; the process group's timeout is 15 s),
 ``memory`` (peak host bytes per parameter, sharded, exact mode), ``user_collectives`` (the
 user's own collectives on the wrapper's group during asynchronous steps and exact mode:
 an all-reduced loss for logging and ``roundpipe.global_num_items``), ``settings SETTING``
-(rank 1 wraps with another value of SETTING: each rank records the error it gets).
+(rank 1 wraps with another value of SETTING: each rank records the error it gets),
+``auto_plan MODE`` (``layers_per_stage="auto"``, ranks whose own plans would differ: the plans
+each rank ran and its weights).
 """
 
 from __future__ import annotations
@@ -313,6 +315,30 @@ def main() -> None:
             message = str(e)
         with open(f"{out}/settings-{rank}.json", "w") as f:
             json.dump({"message": message}, f)
+    elif case == "auto_plan":  # layers_per_stage="auto": every rank takes rank 0's plans
+        # ranks that would plan differently on their own: rank 0's device holds the whole
+        # model in one stage, rank 1's needs two (as GPUs of different sizes would)
+        memory = 200_000 if rank == 0 else 80_000
+        roundpipe.staging.device_memory = lambda devices: memory
+        torch.manual_seed(1000 + rank)
+        net = nn.Sequential(nn.Linear(8, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(),
+                            nn.Linear(48, 6))
+        if rank == 0:
+            net.load_state_dict(build().state_dict())
+        model = roundpipe.RoundPipe(net, process_group=dist.group.WORLD, num_microbatch=2,
+                                    layers_per_stage="auto", memory_budget=0.6)
+        opt = rpo.AdamW(model.optim_parameters(), lr=LR, eps=1e-3)
+        mode = sys.argv[3]
+        plans = []
+        for step in range(STEPS):
+            train(model, opt, mode, range(step, step + 1), rank, world)
+            plans.append(list(model.plan().sizes))
+        sd = model.state_dict()
+        if rank == 0:
+            torch.save(sd, f"{out}/auto-{mode}.pt")
+        with open(f"{out}/auto-{mode}-{rank}.json", "w") as f:
+            json.dump({"plans": plans,
+                       "revisions": model.pipeline_stats()["plan_revisions"]}, f)
     elif case == "memory":
         print(memory_per_parameter(), flush=True)
     elif case == "fail":

@@ -13,6 +13,8 @@ import pytest
 
 from roundpipe.bench import Figure, compare, interleave, paired_ratio
 
+from launcher import child_env
+
 
 def test_benchmark_runs_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
@@ -64,10 +66,43 @@ def test_adafactor_rows_are_matrices_with_their_floor_and_the_header_names_the_c
     assert result["mixed"] == []           # not a one-pass step: not in the fused table
 
 
+def test_header_names_the_machine_and_the_kernels_choices_and_the_layout_gap_is_printed(tmp_path):
+    """The CPU's vendor and model, the ISA and the prefetch distance (with how it was chosen) in
+    the header and at the end; one tensor against the same elements in several, per algorithm."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "roundpipe.bench", "--algorithms", "Adam",
+                        "--layouts", "50M", "200x250k", "--scale", "0.01", "--repeats", "5",
+                        "--peers", "none", "--mixed-layout", "none", "--clock", "thread",
+                        "--json", str(out)],
+                       capture_output=True, text=True, timeout=300,
+                       env=child_env(ROUNDPIPE_PREFETCH="1024"))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    lines = r.stdout.splitlines()
+    machine = f"{result['threads']['cpu_vendor']} {result['threads']['cpu']}"
+    assert machine in lines[0] and f"ISA {result['isa']}" in lines[0]
+    assert "prefetch 1024 B ahead (ROUNDPIPE_PREFETCH)" in lines[0]
+    assert result["prefetch"]["bytes"] == 1024
+    assert result["clock"] == "thread" and "the calling thread CPU time" in lines[0]
+    assert f"kernels' choices on {machine}: ISA {result['isa']}, prefetch 1024 B ahead" in r.stdout
+    (gap,) = result["gaps"]
+    assert (gap["algorithm"], gap["one"], gap["many"]) == ("Adam", "500k", "2x250k")
+    one, many = result["rows"]
+    assert gap["time_ratio"] == pytest.approx(
+        one["ns_per_param"]["roundpipe"] / many["ns_per_param"]["roundpipe"])
+    assert "Adam      one tensor (500k) / 2x250k: " in r.stdout
+
+
 def test_fewer_than_five_repeats_are_refused():
     r = subprocess.run([sys.executable, "-m", "roundpipe.bench", "--repeats", "4"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "at least 5 repeats" in r.stderr
+
+
+def test_thread_clock_needs_one_thread():
+    r = subprocess.run([sys.executable, "-m", "roundpipe.bench", "--clock", "thread",
+                        "--threads", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--clock thread needs --threads 1" in r.stderr
 
 
 def test_help_explains_every_column():

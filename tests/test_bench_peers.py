@@ -5,7 +5,7 @@ the benchmark's own check), and the benchmark prints and saves its rows with fin
 What is skipped, and why:
 
 - a peer whose package is not installed (none is a dependency of RoundPipe; torchao and
-  bitsandbytes are in requirements-dev.txt);
+  bitsandbytes are in requirements-peers.txt);
 - DeepSpeed's peers unless its ``cpu_adam``/``cpu_adagrad`` ops are already built (prebuilt, or
   in torch's extension folder after one ``python -m roundpipe.bench`` run): building them takes
   minutes on 2 cores, which the suite must not pay on every fresh machine; where they are built

@@ -148,3 +148,23 @@ def test_checkpoints_refused_before_anything_changes(tmp_path):
     fresh = roundpipe.RoundPipe(_net(), num_microbatch=2)
     with pytest.raises(ValueError, match="no optimizer state"):
         roundpipe.load_checkpoint(str(tmp_path / "bare"), fresh, rpo.AdamW(fresh.optim_parameters()))
+
+
+def test_single_process_save_and_load_print_no_warning(tmp_path):
+    """DCP's "torch.distributed is disabled ... assuming the intent is to save in a single
+    process" and its overwrite notice read as if something were wrong: a save (twice into the
+    same folder, as a run's last checkpoint is) and a load warn nothing, and the second save
+    replaced the first."""
+    import warnings
+
+    model, opt = _wrapped(torch.float32, False)
+    path = str(tmp_path / "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        roundpipe.save_checkpoint(path, model, opt, extra={"step": 1})
+        _train(model, opt, range(1))
+        roundpipe.save_checkpoint(path, model, opt, extra={"step": 2})
+        again, again_opt = _wrapped(torch.float32, False)
+        assert roundpipe.load_checkpoint(path, again, again_opt) == {"step": 2}
+    for p, q in zip(model.optim_parameters(), again.optim_parameters()):
+        assert torch.equal(p, q)

@@ -2,7 +2,10 @@
 validation loss along the way (loss.png's second curve), saves, reloads with plain transformers
 and generates; an interrupted run ends with the command that resumes it, and resumed gives the
 same losses as the uninterrupted run; an --out holding a checkpoint is never overwritten
-silently; --lora trains adapters, and warns without --model; --help imports nothing heavy."""
+silently, and the refusal comes first and short; --lora trains adapters, and warns without
+--model; --help imports nothing heavy; a normal run of the demo (LoRA included) and of a
+RoundPipeTrainer script with checkpoints prints no warning that is not about the user's own
+code (in the user's environment: without the benchmark peers, see requirements-peers.txt)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -23,7 +27,20 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_qwen3
 TINY = ["--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--vocab", "400",
         "--max-chars", "200000", "--seq", "32", "--batch", "4", "--warmup", "2", "--lr", "1e-2",
         "--sample-tokens", "4", "--dtype", "float32"]
-ENV = {k: v for k, v in os.environ.items() if k != "ROUNDPIPE_DEMO_LAUNCHER"}
+# the benchmark peers: not in the user's environment (requirements-peers.txt); scripts/test.sh
+# puts them on PYTHONPATH for their own tests, the user's runs here go without that entry
+PEERS = ("torchao", "bitsandbytes", "deepspeed")
+
+
+def _users_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "ROUNDPIPE_DEMO_LAUNCHER"}
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not any(os.path.isdir(os.path.join(p, peer)) for peer in PEERS)]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    return env
+
+
+ENV = _users_env()
 
 
 def start(command: list[str]) -> subprocess.CompletedProcess:
@@ -83,8 +100,10 @@ def test_an_earlier_run_is_not_overwritten_silently(tmp_path):
     before = state.read_bytes()
     proc = start([sys.executable, str(SCRIPT), *TINY, "--out", str(out), "--steps", "2"])
     assert proc.returncode != 0
-    assert "holds the checkpoint of an earlier run" in proc.stderr
-    assert "--resume" in proc.stderr and "--overwrite" in proc.stderr
+    # the refusal first, and short: not under argparse's twenty lines of usage
+    lines = proc.stderr.splitlines()
+    assert "holds the checkpoint of an earlier run" in lines[0] and len(lines) <= 2, lines
+    assert "--resume" in lines[0] and "--overwrite" in lines[0]
     assert state.read_bytes() == before
     proc = start([sys.executable, str(SCRIPT), *TINY, "--out", str(out), "--steps", "2",
                   "--resume", "--overwrite"])
@@ -128,3 +147,67 @@ def test_auto_dtype_is_float32_when_torch_is_restricted_to_avx2():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env=dict(ENV, ATEN_CPU_CAPABILITY="avx2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# what a warning looks like on stderr: Python's warnings module ("...: UserWarning: ..."),
+# torch's logging ("W1204 20:27:48.790000 5465 torch/..."), a library's failed load
+_WARNING = re.compile(r"\w+Warning: |^[WE]\d{4} \d\d:\d\d:\d\d|Failed to load|No module named")
+
+
+def warning_lines(stderr: str) -> list[str]:
+    """The lines of ``stderr`` that are warnings (progress bars and the demo's own messages,
+    which are about the user's arguments, are not)."""
+    return [line for line in stderr.replace("\r", "\n").splitlines() if _WARNING.search(line)]
+
+
+def test_warning_lines_recognises_what_the_first_screen_used_to_show():
+    before = (
+        "Failed to load /x/torchao/_C_mxfp8.so: Could not load this library\n"
+        "W1204 20:27:48.790000 5465 torch/utils/_pytree.py:630] <enum 'KernelPreference'> ...\n"
+        "/x/torch/distributed/checkpoint/utils.py:485: UserWarning: torch.distributed is disabled\n"
+        "/x/transformers/modeling_utils.py:3312: FutureWarning: `is_gradient_checkpointing` ...\n"
+        " 50%|#####     | 3/6 [00:02<00:01,  1.51step/s, loss=8.263]\n")
+    assert len(warning_lines(before)) == 4
+
+
+def _peers_installed() -> list[str]:
+    code = "import importlib.util as u; print(' '.join(p for p in %r if u.find_spec(p)))" % (PEERS,)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=ENV)
+    return proc.stdout.split()
+
+
+_TRAINER = r"""
+import sys, torch, transformers
+from roundpipe.hf import RoundPipeTrainer
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64))
+rows = torch.randint(0, 96, (16, 12))
+data = [{"input_ids": r, "attention_mask": torch.ones_like(r), "labels": r} for r in rows]
+args = transformers.TrainingArguments(sys.argv[1], per_device_train_batch_size=4, max_steps=4,
+                                      save_steps=2, logging_steps=2, report_to="none",
+                                      disable_tqdm=True)
+trainer = RoundPipeTrainer(model=model, args=args, train_dataset=data,
+                           roundpipe_kwargs={"num_microbatch": 2, "device": "cpu"})
+trainer.train()
+trainer.train(resume_from_checkpoint=sys.argv[1] + "/checkpoint-2")
+trainer.save_model(sys.argv[1] + "/final")
+"""
+
+
+def test_a_normal_run_prints_no_warning_about_other_code(tmp_path):
+    """The demo with LoRA (peft, training, checkpoint, save_pretrained, generate, reload) and a
+    RoundPipeTrainer script (checkpoints saved and resumed, save_model): nothing on stderr but
+    progress and the demo's own word on its arguments."""
+    peers = _peers_installed()
+    if peers:
+        pytest.skip(f"{', '.join(peers)} installed in this environment (a setup before "
+                    "requirements-peers.txt; bash scripts/setup.sh removes them): transformers "
+                    "and peft import them and print their load errors")
+    _, proc = run(tmp_path / "demo", "--steps", "2", "--lora", "--lora-r", "2")
+    assert warning_lines(proc.stderr) == [], proc.stderr[-3000:]
+    proc = start([sys.executable, "-c", _TRAINER, str(tmp_path / "trainer")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert warning_lines(proc.stderr) == [], proc.stderr[-3000:]

@@ -5,7 +5,7 @@ roundpipe._C, cpp/include/roundpipe/dequant.hpp) and QLoRA's double quantization
 References are independent of the code under test: a float64 computation written here from
 the published code books (the exact product of code-book value and scale, rounded to float32,
 then by torch to the output dtype), and bitsandbytes' CPU ``quantize_4bit`` /
-``dequantize_4bit`` / ``create_dynamic_map`` where it is installed (requirements-dev.txt pins
+``dequantize_4bit`` / ``create_dynamic_map`` where it is installed (requirements-peers.txt pins
 it). The CPU kernels are run under every ISA this CPU supports; they must give the bits of the
 torch-op path (what CUDA runs) too.
 """

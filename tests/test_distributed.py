@@ -196,3 +196,19 @@ def test_a_two_rank_run_issues_no_future_warning(tmp_path):
     for rc, err in launch("train", 2, tmp_path, "step,async,exact",
                           env={"PYTHONWARNINGS": "error::FutureWarning"}):
         assert rc == 0, err[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["step", "exact"])
+def test_automatic_plans_are_the_same_on_every_rank(tmp_path, mode):
+    """``layers_per_stage="auto"`` with ranks that would plan differently on their own (their
+    devices' memory differs: the whole model fits rank 0's in one stage, not rank 1's): every
+    rank plans under the smallest budget and runs rank 0's plan at every call (their
+    collectives follow the stages: different plans would hang or mix gradients), the plan is
+    revised at least once, and the weights are plain PyTorch's."""
+    for rc, err in launch("auto_plan", 2, tmp_path, mode, timeout=120):
+        assert rc == 0, err[-3000:]
+    runs = [json.loads((tmp_path / f"auto-{mode}-{r}.json").read_text()) for r in range(2)]
+    assert runs[0]["plans"] == runs[1]["plans"]
+    assert runs[0]["revisions"] >= 1
+    assert len(runs[0]["plans"][-1]) > 1  # rank 1's device cannot hold one stage of 5 layers
+    _close(torch.load(tmp_path / f"auto-{mode}.pt"), reference(mode))

@@ -5,6 +5,7 @@ deep copy of the model taken before wrapping, generating with a plain DynamicCac
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 
 import pytest
@@ -19,6 +20,15 @@ from roundpipe.hf import PipelineCache  # noqa: E402
 
 from pipeline_models import HF_VOCAB as VOCAB  # noqa: E402
 from pipeline_models import causal_lm  # noqa: E402
+
+# transformers' name for the cache: its forward's keyword and its outputs' field
+# ("past_key_values" until 5.23, "cache" from 5.24)
+CACHE = ("cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+         else "past_key_values")
+
+
+def cache_of(out):
+    return getattr(out, CACHE)
 
 
 def make_model(kind: str, seed: int = 0):
@@ -71,7 +81,7 @@ def test_greedy_equals_transformers(kind):
     want = ref.generate(**batch, **GREEDY)
     got = w.generate(**batch, **GREEDY)
     assert_same_generation(got, want)
-    assert isinstance(got.cache, PipelineCache)
+    assert isinstance(cache_of(got), PipelineCache)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mistral_sliding"])
@@ -205,20 +215,20 @@ def test_forward_with_a_cache_equals_transformers_and_continues():
     batch = prompts()
     hf_cache = transformers.DynamicCache(config=ref.config)
     pos = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    want = ref(**batch, position_ids=pos, cache=hf_cache, use_cache=True)
+    want = ref(**batch, position_ids=pos, use_cache=True, **{CACHE: hf_cache})
     got = w(**batch, position_ids=pos, use_cache=True)
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
     nxt = want.logits[:, -1].argmax(-1, keepdim=True)
     mask = torch.cat([batch["attention_mask"], torch.ones(3, 1, dtype=torch.long)], dim=1)
     want2 = ref(input_ids=nxt, attention_mask=mask, position_ids=pos[:, -1:] + 1,
-                cache=hf_cache, use_cache=True)
+                use_cache=True, **{CACHE: hf_cache})
     with pytest.raises(ValueError, match="cache_position"):
-        w(input_ids=nxt, cache=got.cache, cache_position=torch.tensor([3]))
-    got2 = w(input_ids=nxt, attention_mask=mask, position_ids=pos[:, -1:] + 1, cache=got.cache,
+        w(input_ids=nxt, cache=cache_of(got), cache_position=torch.tensor([3]))
+    got2 = w(input_ids=nxt, attention_mask=mask, position_ids=pos[:, -1:] + 1, cache=cache_of(got),
              cache_position=torch.tensor([9]))
     torch.testing.assert_close(got2.logits, want2.logits, rtol=0, atol=0)
     for i, layer in enumerate(hf_cache.layers):  # HF keeps the window (last 3), we keep all
-        keys, values = got2.cache.key_value(i)
+        keys, values = cache_of(got2).key_value(i)
         assert torch.equal(keys[:, :, -layer.keys.shape[2]:], layer.keys)
         assert torch.equal(values[:, :, -layer.values.shape[2]:], layer.values)
 
@@ -366,7 +376,7 @@ def test_generation_continues_from_a_returned_cache():
     more = torch.randint(1, VOCAB, (3, 3), generator=torch.Generator().manual_seed(7))
     ids = torch.cat([want.sequences, more], dim=1)
     mask = torch.cat([batch["attention_mask"], torch.ones(3, 4 + 3, dtype=torch.long)], dim=1)
-    want2 = ref.generate(input_ids=ids, attention_mask=mask, cache=want.cache, **kw)
-    got2 = w.generate(input_ids=ids, attention_mask=mask, cache=got.cache, **kw)
+    want2 = ref.generate(input_ids=ids, attention_mask=mask, **{CACHE: cache_of(want)}, **kw)
+    got2 = w.generate(input_ids=ids, attention_mask=mask, cache=cache_of(got), **kw)
     assert torch.equal(got2.sequences, want2.sequences)
-    assert got2.cache is got.cache and got.cache.get_seq_length() == ids.shape[1] + 3
+    assert cache_of(got2) is cache_of(got) and cache_of(got).get_seq_length() == ids.shape[1] + 3

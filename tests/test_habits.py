@@ -489,3 +489,75 @@ def test_accumulated_grads_reads_what_the_step_will_apply_without_consuming_it()
     grads["0.weight"].zero_()                 # a copy: the step is not affected
     model.step(opt)
     assert_weights(model, reference_sgd_step(net(), x, y))
+
+
+# --- 5. clip_grad_norm_ before model.step; a positional tensor to an HF forward_backward ----------
+
+def reference_clipped_sgd_step(x, y, max_norm):
+    """Plain PyTorch: the whole batch's mean loss, clip_grad_norm_, SGD, in float32."""
+    ref = net()
+    F.mse_loss(ref(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    torch.optim.SGD(ref.parameters(), lr=LR).step()
+    return ref, norm
+
+
+@pytest.mark.parametrize("params", ["parameters", "optim_parameters"])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_clip_grad_norm_before_model_step_raises_naming_max_grad_norm(params, model_dtype):
+    """Before the guard torch measured 0 over these parameters and clipped nothing, silently;
+    the gradients survive the refused call and max_grad_norm= gives plain PyTorch's step."""
+    model = RoundPipe(net(model_dtype), optim_dtype=torch.float32, device="cpu", num_microbatch=2)
+    opt = torch.optim.SGD(model.optim_parameters(), lr=LR)
+    x, y = batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_):
+        with pytest.raises(RuntimeError, match=r"max_grad_norm="):
+            clip(getattr(model, params)(), 0.05)
+    if model_dtype != torch.float32:
+        return
+    model.step(opt, max_grad_norm=0.05)
+    ref, norm = reference_clipped_sgd_step(x, y, 0.05)
+    assert norm > 0.05 * 2                            # the clip did clip
+    assert model.last_step_stats().grad_norm == pytest.approx(float(norm), rel=1e-5)
+    assert_weights(model, ref)
+
+
+def test_clip_grad_norm_inside_a_step_function_clips_as_plain_pytorch():
+    model = RoundPipe(net(), optim_dtype=torch.float32, device="cpu", num_microbatch=2)
+    opt = torch.optim.SGD(model.optim_parameters(), lr=LR)
+    x, y = batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    norms = []
+    model.step(lambda: (norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)),
+                        opt.step(), opt.zero_grad()))
+    ref, norm = reference_clipped_sgd_step(x, y, 0.05)
+    torch.testing.assert_close(norms[0], norm, rtol=1e-5, atol=0)
+    assert_weights(model, ref)
+
+
+def test_clip_grad_norm_of_a_plain_model_is_torchs():
+    model = RoundPipe(net(), device="cpu")
+    assert model is not None                           # the guard is installed
+    plain, (x, y) = net(), batch()
+    F.mse_loss(plain(x), y).backward()
+    grads = [p.grad.clone() for p in plain.parameters()]
+    norm = torch.nn.utils.clip_grad_norm_((p for p in plain.parameters()), 0.05)  # a generator
+    want = torch.cat([g.flatten() for g in grads]).norm()
+    torch.testing.assert_close(norm, want)
+    for p, g in zip(plain.parameters(), grads):
+        torch.testing.assert_close(p.grad, g * (0.05 / (want + 1e-6)))
+
+
+def test_a_tensor_as_input_args_of_an_hf_forward_backward_names_input_kwargs():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=32)
+    model = roundpipe.wrap_model_to_roundpipe(
+        transformers.AutoModelForCausalLM.from_config(config), torch.float32, device="cpu")
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(TypeError, match=r"input_kwargs=\{'input_ids': ids, 'labels': ids\}"):
+        model.forward_backward(ids)
+    with pytest.raises(TypeError, match="input_kwargs"):
+        model.forward_backward(ids, loss_fn=lambda out: out.float().mean())

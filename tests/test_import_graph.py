@@ -24,15 +24,16 @@ LAYERS = [
     ["roundpipe._C", "roundpipe.host_buffers", "roundpipe.stats", "roundpipe.threads",
      "roundpipe.plan", "roundpipe.context", "roundpipe.guards", "roundpipe.recompute",
      "roundpipe.microbatch", "roundpipe.clipping", "roundpipe.grad_scaler", "roundpipe.quant",
-     "roundpipe.torch_private"],
+     "roundpipe.torch_private", "roundpipe.known_warnings", "roundpipe.fused_dequant"],
     ["roundpipe.optim"],                    # the optimizers: usable without the wrapper
     ["roundpipe.transfer"],                 # moving tensors to a device and back
     ["roundpipe.pipeline"],                 # the schedule, stages, passes
-    ["roundpipe.param_copies", "roundpipe.distributed", "roundpipe.optimizer_thread"],
+    ["roundpipe.param_copies", "roundpipe.distributed", "roundpipe.optimizer_thread",
+     "roundpipe.planner", "roundpipe.staging"],  # staging: what the planner is given, measured
     ["roundpipe.steps"],                    # the optimizer side of a call
     ["roundpipe.wrapper"],                  # RoundPipe
     ["roundpipe.checkpoint", "roundpipe.hf"],
-    ["roundpipe.bench"],                    # benchmarks: use everything
+    ["roundpipe.bench", "roundpipe.sizing"],  # benchmarks and sizing: use everything
 ]
 
 
@@ -173,9 +174,10 @@ def test_the_optimizers_import_only_the_extension_and_host_buffers():
 
 
 def test_import_roundpipe_optim_loads_only_the_optimizers():
-    """What a fresh interpreter loads for ``import roundpipe.optim``: the package face, the C++
-    extension, the host buffers, torch_private and the optimizers, nothing else of roundpipe
-    (no wrapper, pipeline, Hugging Face or checkpoint module)."""
+    """What a fresh interpreter loads for ``import roundpipe.optim``: the package face (with
+    its warning filters, known_warnings), the C++ extension, the host buffers, torch_private
+    and the optimizers, nothing else of roundpipe (no wrapper, pipeline, Hugging Face or
+    checkpoint module)."""
     import subprocess
     import sys
 
@@ -186,6 +188,6 @@ def test_import_roundpipe_optim_loads_only_the_optimizers():
     loaded = eval(out.stdout)  # a printed list of module names
     assert "roundpipe.optim.adam" in loaded
     others = [m for m in loaded if m not in ("roundpipe", "roundpipe._C", "roundpipe.host_buffers",
-                                             "roundpipe.torch_private")
+                                             "roundpipe.torch_private", "roundpipe.known_warnings")
               and not m.startswith("roundpipe.optim")]
     assert not others, others

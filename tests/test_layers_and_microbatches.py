@@ -1,13 +1,11 @@
-"""What the pipeline does with layers and microbatches: one stage's weights on the device at a
-time, inference and eval mode (BatchNorm statistics per microbatch), layer decisions kept for
+"""What the pipeline does with layers and microbatches (what stays on a device:
+test_device_bound.py): inference and eval mode (BatchNorm statistics per microbatch), layer decisions kept for
 the recomputation, splitting and merging microbatches (and a custom split), repeated layers,
 Sequential subclasses and tied weights."""
 
 from __future__ import annotations
 
 import copy
-import gc
-import weakref
 
 import pytest
 import torch
@@ -18,30 +16,6 @@ from roundpipe import RoundPipe
 
 from pipeline_models import batchnorm, data, loss_fn, mlp
 
-
-def test_only_one_stage_on_the_device_at_a_time(monkeypatch):
-    alive: list[list] = []  # per upload, weakrefs to its device tensors
-    peak = 0
-    real = roundpipe.transfer.CpuIO.upload
-
-    def tracking_upload(self, layers, with_grad):
-        nonlocal peak
-        gc.collect()
-        resident = sum(1 for refs in alive if any(r() is not None for r in refs))
-        peak = max(peak, resident)
-        w, event = real(self, layers, with_grad)
-        alive.append([weakref.ref(t) for placed in w.layers for _, t in placed])
-        return w, event
-
-    monkeypatch.setattr(roundpipe.transfer.CpuIO, "upload", tracking_upload)
-    model = RoundPipe(mlp(), num_microbatch=3)
-    x, y = data("mlp", 0)
-    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-    model(x)
-    assert len(alive) == 4 + 5 + 5  # forward pass (4 stages) + backward (5) + inference (5)
-    assert peak == 0, "a previous stage's weights were still alive when the next was uploaded"
-    gc.collect()
-    assert all(r() is None for refs in alive for r in refs)
 
 def test_inference_forward_and_eval_mode():
     torch.manual_seed(0)

@@ -54,3 +54,50 @@ def test_roundpipe_optim_imports_without_the_wrapper():
     for name in roundpipe.__all__:
         assert getattr(roundpipe, name) is not None, name
     assert roundpipe.optim.AdamW is not None and "RoundPipe" in dir(roundpipe)
+
+
+def _release(version: str) -> tuple:
+    """``"2.8"`` and ``"2.8.0"`` alike: the numbers without trailing zeros."""
+    parts = [int(p) for p in version.split(".")]
+    while parts and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def _floors() -> dict[str, str]:
+    """requirements-floors.txt's pins: name -> version."""
+    pins = {}
+    with open(os.path.join(ROOT, "requirements-floors.txt")) as f:
+        for line in f:
+            m = re.fullmatch(r"([A-Za-z0-9_.-]+)==([0-9.]+)", line.split("#")[0].strip())
+            if m:
+                pins[m.group(1).lower()] = m.group(2)
+    return pins
+
+
+def test_the_floors_job_installs_every_declared_lower_bound():
+    """Each lower bound pyproject.toml declares for a package (dependencies and every extra) is
+    what requirements-floors.txt pins, and every pinned package has a declared bound: the job
+    scripts/test_floors.sh runs tests the declared range's bottom, not another version."""
+    project = _project()
+    specs = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        specs += extra
+    bounds: dict[str, set] = {}
+    for spec in specs:
+        m = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*(.*)", spec)
+        low = re.search(r">=\s*([0-9.]+)", m.group(2))
+        if low:
+            bounds.setdefault(m.group(1).lower(), set()).add(low.group(1))
+    pins = _floors()
+    for name, lows in bounds.items():
+        if name == "pytest":
+            continue
+        assert len(lows) == 1, f"{name}: different lower bounds {sorted(lows)}"
+        (low,) = lows
+        pin = pins.get(name)
+        assert pin is not None and _release(pin) == _release(low), \
+            f"{name}: declared >= {low}, the floors job pins {pin}"
+    assert set(pins) <= set(bounds), set(pins) - set(bounds)
+    with open(os.path.join(ROOT, "scripts", "test.sh")) as f:
+        assert "bash scripts/test_floors.sh" in f.read()

@@ -8,17 +8,17 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe.plan import check_layers, device_index, make_stages, shared_modules
+from roundpipe.plan import check_layers, device_index, make_stages, shared_modules, uniform_sizes
 
 
 def test_stages_go_to_the_devices_round_robin():
     devices = [torch.device("cpu", 0), torch.device("cpu", 1)]
-    stages = make_stages(5, 2, devices)
+    stages = make_stages(uniform_sizes(5, 2), devices)
     assert [(s.start, s.stop) for s in stages] == [(0, 2), (2, 4), (4, 5)]
     assert [s.device for s in stages] == [devices[0], devices[1], devices[0]]
     assert [device_index(s, 3) for s in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     with pytest.raises(ValueError, match="layers_per_stage must be >= 1"):
-        make_stages(5, 0, devices)
+        uniform_sizes(5, 0)
 
 
 def test_layers_must_be_modules_of_the_model():
@@ -40,7 +40,7 @@ def test_shared_modules_maps():
     head.weight.requires_grad_(False)             # frozen: no gradient
     layers = [nn.Sequential(tied), nn.Sequential(norm), nn.Sequential(norm, head),
               nn.Sequential(tied)]
-    stages = make_stages(len(layers), 2, [torch.device("cpu")])  # [0, 1], [2, 3]
+    stages = make_stages(uniform_sizes(len(layers), 2), [torch.device("cpu")])  # [0, 1], [2, 3]
     trainable = {id(p) for layer in layers for p in layer.parameters() if p.requires_grad}
     maps = shared_modules(layers, stages, trainable)
     # layers 0 and 3 share `tied` across stages, 1 and 2 share `norm` across stages: one lock
@@ -58,6 +58,6 @@ def test_shared_modules_maps():
 
 def test_no_lock_without_a_module_shared_across_stages():
     layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
-    maps = shared_modules(layers, make_stages(2, 1, [torch.device("cpu")]), set())
+    maps = shared_modules(layers, make_stages((1, 1), [torch.device("cpu")]), set())
     assert maps.locks == [None, None] and maps.buffer_deps == [[], []]
     assert maps.grad_numels == [[], []]

@@ -4,7 +4,7 @@ References are independent of roundpipe.quant: the NF4 code book is copied here 
 (Dettmers et al. 2023, appendix / bitsandbytes' ``get_4bit_type("nf4")``), quantization and
 dequantization are written here in float64 (argmin over distances, not midpoints); training
 is compared with plain PEFT on the same model whose frozen weights were replaced by their
-dequantized values. Where bitsandbytes is installed (requirements-dev.txt pins it), its CPU
+dequantized values. Where bitsandbytes is installed (requirements-peers.txt pins it), its CPU
 ``quantize_4bit`` / ``dequantize_4bit`` are a second reference, bit for bit.
 """
 
@@ -265,7 +265,7 @@ def test_the_dense_weights_are_released():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nf4_equals_bitsandbytes_bit_for_bit(dtype):
-    """Where bitsandbytes is installed (requirements-dev.txt pins it), its CPU quantize_4bit
+    """Where bitsandbytes is installed (requirements-peers.txt pins it), its CPU quantize_4bit
     (NF4, blocks of 64) is the independent reference: the same packed codes and block maxima,
     and dequantize_4bit gives our dequantized values."""
     bnb = pytest.importorskip("bitsandbytes.functional")

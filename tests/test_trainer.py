@@ -29,8 +29,10 @@ from trainer_cases import (REL, assert_same_logs, comparison_table,  # noqa: E40
                            reset_accelerate, run_ours, run_plain)
 
 
-@pytest.mark.parametrize("kind,mode,clip", [("llama", "sync", 1.15), ("qwen3", "sync", 1.15),
-                                            ("llama", "exact", 1.15), ("qwen3", "exact", 0.0)])
+# clip: inside the range of the plain run's gradient norms (asserted below), on the newest
+# transformers and on the declared floor (scripts/test_floors.sh) alike
+@pytest.mark.parametrize("kind,mode,clip", [("llama", "sync", 1.1), ("qwen3", "sync", 1.15),
+                                            ("llama", "exact", 1.1), ("qwen3", "exact", 0.0)])
 def test_logs_and_weights_equal_plain_trainer(kind, mode, clip, tmp_path):
     """``clip`` 0: no clipping (exact mode then steps each stage during the backward)."""
     ref_trainer, ref_model = run_plain(kind, tmp_path / "ref", max_grad_norm=clip)
@@ -92,7 +94,8 @@ def test_gradient_checkpointing_is_switched_off_with_a_warning(tmp_path):
                                    train_dataset=tc.TokenData(8),
                                    roundpipe_kwargs={"device": "cpu"})
     trainer.train()
-    assert not args.gradient_checkpointing and not args.activation_checkpointing
+    assert not args.gradient_checkpointing
+    assert not getattr(args, "activation_checkpointing", False)  # only newer transformers have it
     assert not any(getattr(m, "gradient_checkpointing", False)
                    for m in trainer.model.module.modules())
 

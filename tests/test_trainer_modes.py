@@ -49,6 +49,67 @@ def test_resume_from_a_mid_run_checkpoint_logs_what_the_uninterrupted_run_logged
         torch.testing.assert_close(resumed_sd[name], t, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_a_plain_trainer_checkpoint_resumes_with_its_weights_and_optimizer_state(tmp_path):
+    """Plain Trainer saves checkpoint-10 (model.safetensors, optimizer.pt of torch's AdamW,
+    scheduler, RNG); RoundPipeTrainer resumes from it and logs what plain Trainer's
+    uninterrupted run logged for steps 11-20 (a resume without the optimizer state would
+    not: Adam's moments restart)."""
+    saving = dict(save_strategy="steps", save_steps=10)
+    ref_trainer, _ = run_plain("llama", tmp_path / "ref", **saving)
+    checkpoint = tmp_path / "ref" / "checkpoint-10"
+    assert (checkpoint / "optimizer.pt").is_file() and not (checkpoint / "roundpipe_state").exists()
+    resumed = run_ours("llama", tmp_path / "resumed", resume=str(checkpoint), **saving)
+    got = [h for h in tc.train_logs(resumed.state.log_history) if h["step"] > 10]
+    want = [h for h in tc.train_logs(ref_trainer.state.log_history) if h["step"] > 10]
+    print("\nresumed from plain Trainer's checkpoint-10\n" + comparison_table(got, want))
+    assert [h["step"] for h in got] == list(range(11, 21))
+    assert_same_logs(got, want)
+    got_sd = resumed.model.state_dict()
+    for name, t in ref_trainer.model.state_dict().items():
+        torch.testing.assert_close(got_sd[name], t, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_plain_trainer_checkpoint_of_a_lora_model_resumes(tmp_path):
+    """A PEFT model's checkpoint holds the adapter (its names without the adapter's name) and
+    the optimizer state of the adapters only."""
+    peft = pytest.importorskip("peft")
+
+    def lora_model():
+        return peft.get_peft_model(tc.make_model("llama"), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+    def train(cls, out, resume=None, **extra):
+        reset_accelerate()
+        trainer = cls(model=lora_model(), args=tc.training_args(
+            out, save_strategy="steps", save_steps=10, eval_strategy="no"),
+            train_dataset=tc.TokenData(48), **extra)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    ref = train(transformers.Trainer, tmp_path / "ref")
+    checkpoint = tmp_path / "ref" / "checkpoint-10"
+    assert (checkpoint / "adapter_model.safetensors").is_file()
+    resumed = train(RoundPipeTrainer, tmp_path / "ours", resume=str(checkpoint),
+                    roundpipe_kwargs={"num_microbatch": 2, "device": "cpu"})
+    got = [h for h in tc.train_logs(resumed.state.log_history) if h["step"] > 10]
+    want = [h for h in tc.train_logs(ref.state.log_history) if h["step"] > 10]
+    assert_same_logs(got, want)
+
+
+def test_a_checkpoint_without_optimizer_state_is_refused_with_the_way_forward(tmp_path):
+    run_plain("llama", tmp_path / "ref", max_steps=2, save_strategy="steps", save_steps=2,
+              eval_strategy="no")
+    checkpoint = tmp_path / "ref" / "checkpoint-2"
+    (checkpoint / "optimizer.pt").unlink()
+    with pytest.raises(ValueError, match=r"optimizer\.pt.*from_pretrained\(.*checkpoint-2.*"
+                                         r"without resume_from_checkpoint"):
+        run_ours("llama", tmp_path / "ours", resume=str(checkpoint), max_steps=4)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="neither a roundpipe_state folder"):
+        run_ours("llama", tmp_path / "ours2", resume=str(empty), max_steps=4)
+
+
 def test_save_model_reloads_with_plain_transformers(tmp_path):
     _, ref_model = run_plain("qwen3", tmp_path / "ref", eval_strategy="no")
     ours = run_ours("qwen3", tmp_path / "ours", eval_strategy="no")

@@ -3,8 +3,10 @@ unwrapped model (tiny float32 Llama / Qwen3, a tokenizer trained here, 20 steps,
 2, warmup + cosine, clipping, weight decay): a chat (``messages``) dataset with
 ``assistant_only_loss``, full fine-tuning; a prompt/completion dataset with ``peft_config=``
 LoRA (completion-only loss); a plain-text dataset (6 steps). Logged loss, grad_norm, learning_rate and num_tokens equal at
-every step (relative 1e-4), eval_loss equal, final weights equal; save_model reloads with
-transformers / PEFT."""
+every step (relative 1e-4), TRL's mean_token_accuracy and entropy too (training and
+evaluation), eval_loss equal, final weights equal; save_model reloads with transformers / PEFT;
+packing (BFD, padding-free rows cut into microbatches at sequence starts) and padding_free
+without packing log plain SFTTrainer's losses."""
 
 from __future__ import annotations
 
@@ -40,24 +42,27 @@ def run(cls, kind, out, dataset, eval_dataset, lora=False, **kw):
     return trainer
 
 
-def check_same(ours, ref, title):
+METRICS = ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy")
+
+
+def check_same(ours, ref, title, steps=20, evals=2):
     ref_logs, our_logs = tc.train_logs(ref.state.log_history), tc.train_logs(ours.state.log_history)
     print(f"\n{title}\n" + comparison_table(our_logs, ref_logs))
-    assert len(ref_logs) == 20
-    assert_same_logs(our_logs, ref_logs)
+    assert len(ref_logs) == steps
+    assert_same_logs(our_logs, ref_logs, keys=METRICS)
     assert [h["num_tokens"] for h in our_logs] == [h["num_tokens"] for h in ref_logs]
     ref_eval, our_eval = tc.eval_logs(ref.state.log_history), tc.eval_logs(ours.state.log_history)
-    assert len(ref_eval) == len(our_eval) == 2
+    assert len(ref_eval) == len(our_eval) == evals
     for a, b in zip(our_eval, ref_eval):
-        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=REL)
+        for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
+            assert a[key] == pytest.approx(b[key], rel=REL), key
 
 
 def test_chat_dataset_assistant_only_loss_equals_plain_sft_trainer(tmp_path):
     data, held_out = tc.chat_dataset(48), tc.chat_dataset(8, seed=9)
     ref = run(trl.SFTTrainer, "qwen3", tmp_path / "ref", data, held_out, assistant_only_loss=True)
-    with pytest.warns(UserWarning, match="mean_token_accuracy"):
-        ours = run(RoundPipeSFTTrainer, "qwen3", tmp_path / "ours", data, held_out,
-                   assistant_only_loss=True)
+    ours = run(RoundPipeSFTTrainer, "qwen3", tmp_path / "ours", data, held_out,
+               assistant_only_loss=True)
     check_same(ours, ref, "SFT chat, assistant_only_loss, Qwen3")
     got = ours.model.state_dict()
     for name, want in ref.model.state_dict().items():
@@ -78,13 +83,37 @@ def test_lora_prompt_completion_equals_plain_sft_trainer_and_reloads_with_peft(t
         torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_packing_and_other_losses_are_refused(tmp_path):
+@pytest.mark.parametrize("packing", [{"packing": True, "max_length": 40},
+                                     {"padding_free": True, "max_length": None}],
+                         ids=["packing", "padding_free"])
+def test_packing_and_padding_free_equal_plain_sft_trainer(tmp_path, packing):
+    """One padding-free row per batch (TRL's BFD packing into rows of 40 tokens, or the
+    batch's sequences concatenated), cut into 2 microbatches at sequence starts; plain
+    SFTTrainer keeps attention within each sequence from the position ids (no cache)."""
+    data, held_out = tc.chat_dataset(48), tc.chat_dataset(8, seed=9)
+    short = dict(max_steps=8, eval_steps=4, **packing)
+    ref = run(trl.SFTTrainer, "llama", tmp_path / "ref", data, held_out, **short)
+    ours = run(RoundPipeSFTTrainer, "llama", tmp_path / "ours", data, held_out, **short)
+    check_same(ours, ref, f"SFT {next(iter(packing))}, Llama", steps=8)
+
+
+def test_other_losses_are_refused(tmp_path):
     tok = tc.make_tokenizer()
-    for field, value in (("packing", True), ("padding_free", True), ("loss_type", "dft")):
-        with pytest.raises(ValueError, match=field):
-            RoundPipeSFTTrainer(model=tc.make_sft_model("llama", tok),
-                                args=tc.sft_config(tmp_path, **{field: value}),
-                                train_dataset=tc.chat_dataset(8), processing_class=tok)
+    with pytest.raises(ValueError, match="loss_type"):
+        RoundPipeSFTTrainer(model=tc.make_sft_model("llama", tok),
+                            args=tc.sft_config(tmp_path, loss_type="dft"),
+                            train_dataset=tc.chat_dataset(8), processing_class=tok)
+
+
+def test_the_gradient_checkpointing_warning_names_its_own_class(tmp_path):
+    tok = tc.make_tokenizer()
+    with pytest.warns(UserWarning, match=r"^RoundPipeSFTTrainer: \S*gradient_checkpointing=True "
+                                         "is switched off"):
+        RoundPipeSFTTrainer(model=tc.make_sft_model("llama", tok),
+                            args=tc.sft_config(tmp_path, gradient_checkpointing=True,
+                                              eval_strategy="no"),
+                            train_dataset=tc.chat_dataset(8), processing_class=tok,
+                            roundpipe_kwargs={"device": "cpu"})
 
 
 def test_the_sft_example_runs(tmp_path):

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernel_table.hpp"
+#include "parallel.hpp"
 #include "roundpipe/error.hpp"
 #include "roundpipe/isa.hpp"
 
@@ -158,7 +159,10 @@ void set_isa(Isa isa) {
 }
 
 namespace detail {
-const KernelTable& active_kernels() { return table_of(active_isa()); }
+const KernelTable& active_kernels() {
+  check_tuning();  // a bad ROUNDPIPE_PREFETCH fails the step before it changes anything
+  return table_of(active_isa());
+}
 }  // namespace detail
 
 }  // namespace roundpipe

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernel_table.hpp"
+#include "prefetch.hpp"
 #include "roundpipe/buffers.hpp"
 #include "roundpipe/step_io.hpp"
 #include "roundpipe/state_traits.hpp"
@@ -35,9 +36,32 @@ constexpr std::size_t kElementsPerThread = 196608;
 
 // Runs task(ctx, k) for k in [0, ntasks) on the pool (the caller takes part) and returns when all
 // are done, on at most `max_threads` threads (the caller counted) and at most the thread count
-// (threads.hpp). Calls from several threads are serialised.
+// (threads.hpp), the kernels prefetching the chosen distance ahead (roundpipe/tuning.hpp). Calls
+// from several threads are serialised.
 void run_tasks(std::size_t ntasks, void (*task)(void* ctx, std::size_t k), void* ctx,
                std::size_t max_threads);
+
+// As run_tasks, the kernels prefetching `prefetch_elements` ahead (g_prefetch_elements, set
+// under the step lock before the tasks run).
+void run_tasks_prefetching(std::size_t ntasks, void (*task)(void* ctx, std::size_t k), void* ctx,
+                           std::size_t max_threads, std::size_t prefetch_elements);
+
+// The prefetch distance (tuning.cpp, roundpipe/tuning.hpp). check_tuning() reads
+// ROUNDPIPE_PREFETCH on first use (every step calls it through active_kernels(), before it
+// changes anything; throws roundpipe::Error for a bad value); chosen_prefetch_elements() is the
+// distance in use, in float32 elements; prefetch_calibrates(n): a step over n elements
+// calibrates (calibration not finished, n >= kPrefetchCalibrationElements).
+void check_tuning();
+std::size_t chosen_prefetch_elements();
+bool prefetch_calibrates(std::size_t elements);
+
+// Runs task(ctx, k) for k in [0, ntasks) as run_tasks does, the first tasks in as many whole
+// calibration rounds as they hold and the calibration still needs: per round one timed block of
+// 16 consecutive tasks per candidate distance, in an order rotated from round to round; `ends[k]`
+// is the number of elements of tasks [0, k] (a block's time per element). The tasks, and so the
+// results, are the same as run_tasks'.
+void run_calibrating(std::size_t ntasks, const std::size_t* ends,
+                     void (*task)(void* ctx, std::size_t k), void* ctx, std::size_t max_threads);
 
 // As run_tasks (no limit but the thread count) when no other call is running; else returns false
 // at once, having run nothing (for work that must not wait for an optimizer step: it runs on its
@@ -59,9 +83,10 @@ constexpr std::size_t kStageElements = 2048;
 // [0, count), cut into chunks of kChunkElements at chunk-aligned offsets, in parallel on at most
 // one thread per kElementsPerThread elements; `chunk` numbers them 0, 1, ... in tensor and
 // element order (count_chunks of them). The chunks, and so the results, do not depend on the
-// number of threads.
+// number of threads. With `step` (an optimizer step's kernels, which prefetch their arrays), a
+// call may run prefetch calibration rounds (run_calibrating): the same chunks, timed.
 template <class NumelFn, class Fn>
-void for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn) {
+void for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn, bool step = false) {
   std::vector<std::size_t> first_chunk(count + 1, 0);
   std::size_t elements = 0;
   for (std::size_t t = 0; t < count; ++t) {
@@ -74,14 +99,22 @@ void for_each_chunk(std::size_t count, NumelFn&& numel, Fn&& fn) {
     std::remove_reference_t<NumelFn>* numel;
     std::remove_reference_t<Fn>* fn;
   } ctx{&first_chunk, &numel, &fn};
-  run_tasks(first_chunk[count], [](void* p, std::size_t k) {
+  void (*task)(void*, std::size_t) = [](void* p, std::size_t k) {
     auto& c = *static_cast<Ctx*>(p);
     const auto& fc = *c.first_chunk;
     const std::size_t t = std::upper_bound(fc.begin(), fc.end(), k) - fc.begin() - 1;
     const std::size_t begin = (k - fc[t]) * kChunkElements;
     const std::size_t end = std::min(begin + kChunkElements, (*c.numel)(t));
     (*c.fn)(t, begin, end, k);
-  }, &ctx, std::max<std::size_t>(1, elements / kElementsPerThread));
+  };
+  const std::size_t ntasks = first_chunk[count];
+  const std::size_t max_threads = std::max<std::size_t>(1, elements / kElementsPerThread);
+  if (!step || !prefetch_calibrates(elements)) return run_tasks(ntasks, task, &ctx, max_threads);
+  std::vector<std::size_t> ends(ntasks);  // elements of chunks [0, k]
+  for (std::size_t t = 0, k = 0, total = 0; t < count; ++t)
+    for (std::size_t b = 0, n = numel(t); b < n; b += kChunkElements, ++k)
+      ends[k] = total += std::min(kChunkElements, n - b);
+  run_calibrating(ntasks, ends.data(), task, &ctx, max_threads);
 }
 
 // Number of chunks for_each_chunk cuts `tensors` into.
@@ -139,7 +172,8 @@ void run_kernel(KernelFn<Coeffs> kernel,
   auto numel = [&](std::size_t i) { return tensors[i].numel; };
   if (!staged(tensors, count, io)) {
     for_each_chunk(count, numel, [&](std::size_t i, std::size_t begin, std::size_t end,
-                                     std::size_t) { kernel(coeffs[i], tensors[i], begin, end); });
+                                     std::size_t) { kernel(coeffs[i], tensors[i], begin, end); },
+                   true);
     return;
   }
   const KernelTable& isa = active_kernels();
@@ -243,7 +277,7 @@ void run_kernel(KernelFn<Coeffs> kernel,
     }
     if (t.model_copy) isa.stream_fence();
     if (io) stats[chunk] = s;
-  });
+  }, true);
   if (!io) return;
   float nonfinite = 0.0f;
   double sum_sq = 0.0;

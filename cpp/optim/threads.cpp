@@ -200,7 +200,8 @@ namespace {
 
 // run_tasks' body; the caller holds g_call_mutex.
 void run_tasks_locked(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx,
-                      std::size_t max_threads) {
+                      std::size_t max_threads, std::size_t prefetch_elements) {
+  g_prefetch_elements = prefetch_elements;  // no task runs now; the pool's hand-off publishes it
   const int count = t_threads > 0 ? t_threads : threads_locked();
   const std::size_t threads =
       std::min({static_cast<std::size_t>(count), ntasks, max_threads});
@@ -219,14 +220,19 @@ void run_tasks_locked(std::size_t ntasks, void (*task)(void*, std::size_t), void
 
 void run_tasks(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx,
                std::size_t max_threads) {
+  run_tasks_prefetching(ntasks, task, ctx, max_threads, chosen_prefetch_elements());
+}
+
+void run_tasks_prefetching(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx,
+                           std::size_t max_threads, std::size_t prefetch_elements) {
   std::lock_guard<std::mutex> lock(g_call_mutex);
-  run_tasks_locked(ntasks, task, ctx, max_threads);
+  run_tasks_locked(ntasks, task, ctx, max_threads, prefetch_elements);
 }
 
 bool try_run_tasks(std::size_t ntasks, void (*task)(void*, std::size_t), void* ctx) {
   std::unique_lock<std::mutex> lock(g_call_mutex, std::try_to_lock);
   if (!lock.owns_lock()) return false;
-  run_tasks_locked(ntasks, task, ctx, ntasks);
+  run_tasks_locked(ntasks, task, ctx, ntasks, chosen_prefetch_elements());
   return true;
 }
 

@@ -36,6 +36,9 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
+# other libraries' warnings about their own code, not the user's (see the module)
+importlib.import_module(".known_warnings", __name__).install()
+
 
 def __getattr__(name: str) -> Any:
     """``roundpipe.X``: a public name from its module, or a subpackage (``roundpipe.optim``,

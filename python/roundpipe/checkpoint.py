@@ -21,7 +21,9 @@ Loading converts the state to the optimizer's own ``state_dtype``, whatever it w
 
 from __future__ import annotations
 
+import contextlib
 import io
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -167,23 +169,44 @@ def _unblob(buf: io.BytesIO) -> Any:
     return torch.load(buf, weights_only=False)
 
 
+@contextlib.contextmanager
+def _dcp_quiet():
+    """DCP's warnings that restate what we asked for, and read to a user as if something were
+    wrong, filtered by message and module (torch 2.6-2.13): a single-process save or load
+    ("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to
+    save in a single process": we pass ``no_dist=True`` for a model without a process group)
+    and the replacement of an earlier checkpoint in the same folder (we pass
+    ``overwrite=True``: "... `overwrite` will default to False"). Every other warning shows."""
+    with warnings.catch_warnings():
+        for message in (r"torch\.distributed is disabled, unavailable or uninitialized, "
+                        r"assuming the intent is to (save|load) in a single process",
+                        r"Detected an existing checkpoint in .*, overwriting since "):
+            warnings.filterwarnings("ignore", message=message, category=UserWarning,
+                                    module=r"torch\.distributed\.checkpoint")
+        yield
+
+
 def save_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer] = None,
                     extra: Optional[dict] = None) -> None:
     """Writes ``model`` (a RoundPipe), ``optimizer`` (over its optimizer copies) and ``extra``
-    to the folder ``path`` with DCP; with a process group every rank of it must call this (a
-    collective), each writing what it owns. Waits for pending optimizer work first."""
+    to the folder ``path`` with DCP (a checkpoint already there is replaced); with a process
+    group every rank of it must call this (a collective), each writing what it owns. Waits
+    for pending optimizer work first."""
     model.synchronize()
     sd = _state(model, optimizer, _mesh(model))
     sd["extra"] = _blob(dict(extra or {}))
     group = model.process_group
-    dcp.save(sd, checkpoint_id=path, process_group=group) if group is not None \
-        else dcp.save(sd, checkpoint_id=path, no_dist=True)
+    writer = dcp.FileSystemWriter(path, overwrite=True)
+    with _dcp_quiet():
+        dcp.save(sd, storage_writer=writer, process_group=group) if group is not None \
+            else dcp.save(sd, storage_writer=writer, no_dist=True)
 
 
 def _dcp_load(sd: dict, path: str, group) -> None:
     """DCP's load of the entries of ``sd`` (a part of the checkpoint is fine), in place."""
-    dcp.load(sd, checkpoint_id=path, process_group=group) if group is not None \
-        else dcp.load(sd, checkpoint_id=path, no_dist=True)
+    with _dcp_quiet():
+        dcp.load(sd, checkpoint_id=path, process_group=group) if group is not None \
+            else dcp.load(sd, checkpoint_id=path, no_dist=True)
 
 
 def _check_optimizer(path: str, meta, model, optimizer: torch.optim.Optimizer,

@@ -260,6 +260,20 @@ class Comm:
 
     # --- collectives -----------------------------------------------------------------------------
 
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (a collective every rank calls)."""
+        every: list = [None] * self.size
+        dist.all_gather_object(every, value, group=self.group)
+        return min(every)
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` (any picklable object), on every rank: a collective every rank
+        calls at the same point, from the caller's thread with no optimizer work pending (the
+        stage plan of ``layers_per_stage="auto"``, which every rank's collectives follow)."""
+        box = [value]
+        dist.broadcast_object_list(box, dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
     def present(self, flags: Sequence[bool]) -> list[bool]:
         """Which of a fixed list of parameters received a gradient on any rank."""
         if not flags:

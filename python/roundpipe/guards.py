@@ -17,13 +17,20 @@ without a word:
   optimizer over a RoundPipe's model copies (built on ``model.parameters()`` outside
   ``OptimizerCtx`` while the optimizer copies are separate), which never get a gradient. A
   global optimizer step pre-hook (installed when the first RoundPipe is built, never at
-  import) raises instead (:func:`register_copies`, :func:`inside_step`).
+  import) raises instead (:func:`register_copies`, :func:`inside_step`);
+- ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` before ``model.step``: the
+  gradients are held by the wrapper until its step, so torch would measure a norm of 0 and clip
+  nothing. Installed with the step pre-hook, :func:`_guarded_clip` stands in for
+  ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad.clip_grad_norm_``): over a
+  live RoundPipe's parameters outside its step it raises, naming ``max_grad_norm=``; for every
+  other call it is torch's function, called as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 import weakref
 from typing import Any, Iterable
@@ -119,6 +126,7 @@ def register_copies(optim: Iterable[torch.Tensor], model: Iterable[torch.Tensor]
     with _install_lock:
         if not _installed:
             register_optimizer_step_pre_hook(_refuse)
+            _install_clip_guard()
             _installed = True
 
 
@@ -132,6 +140,16 @@ def inside_step(owner: Any):
         yield
     finally:
         stack.pop()
+
+
+def _kind(p: Any) -> Any:
+    """``"model"`` / ``"optim"`` when ``p`` is a live RoundPipe's model / optimizer copy, else
+    None."""
+    try:
+        entry = _copies.get(p)
+    except TypeError:  # not a tensor
+        return None
+    return entry[1] if entry is not None and entry[0]() is not None else None
 
 
 def holds(opt: torch.optim.Optimizer) -> Any:
@@ -199,6 +217,66 @@ def _refuse(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 
 _refuse.roundpipe_guard = True  # ours: not a user hook (see Steps.layerwise)
+
+
+_CLIP_MESSAGE = (
+    "torch.nn.utils.clip_grad_norm_ was called on a RoundPipe model's {what} outside "
+    "model.step(): the wrapper holds the accumulated gradients until its own step, so torch "
+    "would measure a norm of 0 and clip nothing. Pass max_grad_norm= to the step instead: "
+    "model.step(opt, max_grad_norm=1.0) (in exact mode forward_backward(..., optimizer=opt, "
+    "max_grad_norm=1.0); RoundPipeTrainer: TrainingArguments(max_grad_norm=...)), which clips "
+    "by the global norm with clip_grad_norm_'s arithmetic; model.last_step_stats().grad_norm "
+    "is the norm it measured. Inside a step function, clip_grad_norm_(model.parameters(), ...) "
+    "works as in a plain loop: model.step(lambda: (clip_grad_norm_(model.parameters(), 1.0), "
+    "opt.step(), opt.zero_grad()))")
+
+
+def _inside_owners_steps(params: list) -> bool:
+    """Whether the calling thread runs the step of every live RoundPipe whose optimizer copy is
+    among ``params`` (their gradients are theirs to apply)."""
+    stepping = getattr(_local, "owners", None) or []
+    for p in params:
+        entry = _copies.get(p) if isinstance(p, torch.Tensor) else None
+        owner = entry[0]() if entry is not None and entry[1] == "optim" else None
+        if owner is not None and all(owner is not s for s in stepping):
+            return False
+    return True
+
+
+def _guarded_clip(original):
+    """``original`` (torch's ``clip_grad_norm_``), raising ``RuntimeError`` (see
+    :data:`_CLIP_MESSAGE`) before anything is read or changed when ``parameters`` holds a live
+    RoundPipe's model copy, or its optimizer copy outside its step."""
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, *args: Any, **kwargs: Any):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if _copies:
+            kinds = {_kind(p) for p in params}
+            if "model" in kinds:
+                # the model copies never get a gradient, inside a step or not
+                raise RuntimeError(_CLIP_MESSAGE.format(what="model copies (model.parameters() "
+                                                            "outside OptimizerCtx)"))
+            if "optim" in kinds and not _inside_owners_steps(params):
+                raise RuntimeError(_CLIP_MESSAGE.format(what="parameters"))
+        return original(params, *args, **kwargs)
+
+    clip_grad_norm_.roundpipe_guard = True
+    return clip_grad_norm_
+
+
+def _install_clip_guard() -> None:
+    """Puts :func:`_guarded_clip` in place of ``torch.nn.utils.clip_grad_norm_`` (the names
+    user code calls it by); called once, with the step pre-hook."""
+    from torch.nn.utils import clip_grad
+
+    original = clip_grad.clip_grad_norm_
+    if getattr(original, "roundpipe_guard", False):
+        return
+    guarded = _guarded_clip(original)
+    clip_grad.clip_grad_norm_ = guarded
+    if torch.nn.utils.clip_grad_norm_ is original:
+        torch.nn.utils.clip_grad_norm_ = guarded
 
 
 def user_hooks(hooks: Iterable[Any]) -> list:

@@ -10,7 +10,7 @@ gradients accumulated for them between steps, and keeping the two copies consist
 (write-back after a step, picking up a model copy changed behind the wrapper's back, the set
 of model copies an asynchronous step left behind), each change one of its methods, as each
 ``FSDPParam`` of FSDP2 owns one parameter's state. The maps between parameters, layers and
-stages never change: :class:`ParamIndex`. Sharded over ranks (:mod:`roundpipe.distributed`),
+stages change only with the stage plan: :class:`ParamIndex`. Sharded over ranks (:mod:`roundpipe.distributed`),
 an optimizer copy holds only this rank's rows of its parameter (:attr:`ParamIndex.rows`); the
 model copy stays whole.
 """
@@ -33,9 +33,10 @@ from .transfer import TensorRef
 
 @dataclass(frozen=True)
 class ParamIndex:
-    """The fixed maps between a wrapped model's trainable parameters (numbered ``0..n-1`` in
+    """The maps between a wrapped model's trainable parameters (numbered ``0..n-1`` in
     ``module.named_parameters()`` order, a tied parameter once), its layers and its stages,
-    built once per wrapper (again after unpickling: they are keyed by object identity).
+    built once per wrapper and stage plan (again after unpickling: they are keyed by object
+    identity).
 
     Attributes:
         names: each parameter's (first) name in the module.
@@ -182,6 +183,14 @@ class ParamCopies:
         self._grads: list[Optional[torch.Tensor]] = [None] * len(self.model)
         self._norms_sq: list[Optional[float]] = [None] * len(self.model)
         self._synced = [self.version(p) for p in self.model]
+
+    def set_stages(self, stages: list[Stage]) -> None:
+        """A new stage plan: the maps over stages are made again (between calls, with no
+        optimizer work pending: queued work refers to stage numbers)."""
+        self.stages = stages
+        index = self.index
+        self.index = ParamIndex.build(self.module, self.layers, stages, self.model, self.optim,
+                                      index.names, index.rows, index.shared)
 
     def __getstate__(self) -> dict:
         """Pickling keeps the copies and the set of stale model copies; the maps (over object

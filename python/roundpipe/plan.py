@@ -48,15 +48,26 @@ def device_index(stage: int, num_devices: int) -> int:
     return stage % num_devices
 
 
-def make_stages(num_layers: int, layers_per_stage: int, devices: list[torch.device]) -> list[Stage]:
-    """Groups layers into stages of ``layers_per_stage`` (the last may be shorter) and assigns
-    them to ``devices`` round-robin (:func:`device_index`)."""
+def uniform_sizes(num_layers: int, layers_per_stage: int) -> tuple[int, ...]:
+    """Stages of ``layers_per_stage`` consecutive layers, the last one possibly shorter.
+
+    Raises:
+        ValueError: ``layers_per_stage`` < 1.
+    """
     if layers_per_stage < 1:
         raise ValueError(f"RoundPipe: layers_per_stage must be >= 1, got {layers_per_stage}")
-    starts = range(0, num_layers, layers_per_stage)
-    return [Stage(i, s, min(s + layers_per_stage, num_layers),
-                  devices[device_index(i, len(devices))])
-            for i, s in enumerate(starts)]
+    full, rest = divmod(num_layers, layers_per_stage)
+    return (layers_per_stage,) * full + ((rest,) if rest else ())
+
+
+def make_stages(sizes: Sequence[int], devices: list[torch.device]) -> list[Stage]:
+    """Consecutive stages of ``sizes[i]`` layers each, assigned to ``devices`` round-robin
+    (:func:`device_index`)."""
+    stages, start = [], 0
+    for i, n in enumerate(sizes):
+        stages.append(Stage(i, start, start + n, devices[device_index(i, len(devices))]))
+        start += n
+    return stages
 
 
 def check_layers(model: nn.Module, layers: Sequence[nn.Module]) -> list[nn.Module]:

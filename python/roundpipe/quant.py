@@ -1,5 +1,6 @@
 """Quantized frozen weights: the frozen base of LoRA kept on the host in NF4 or blockwise
-int8, uploaded packed and dequantized on the compute device right before each linear runs.
+int8, uploaded packed and dequantized on the compute device once per stage visit, right after
+the upload (:func:`dequantize_uploaded`; outside RoundPipe, before each linear runs).
 
 Formats (``frozen_dtype``), both over blocks of :data:`BLOCK` = 64 consecutive values of the
 row-major flattened weight (the last block zero-padded):
@@ -34,9 +35,9 @@ grad (and is not tied to another module: an output embedding tied to the input e
 stays in the model dtype, as do biases, norms and embeddings) by a :class:`QuantizedLinear`
 whose packed codes and block scales are frozen parameters: RoundPipe uploads them as they
 are (``pipeline_stats()`` counts the packed bytes, and the weight floor is the packed size),
-and the module dequantizes them on the device inside its forward (also in the recomputation:
-on the CPU with the SIMD kernels of ``roundpipe._C``, ``roundpipe/dequant.hpp``, elsewhere with
-torch ops on the device; the same bits either way),
+and they are dequantized on the device (on the CPU with the SIMD kernels of ``roundpipe._C``,
+``roundpipe/dequant.hpp``, elsewhere with the fused kernel of :mod:`roundpipe.fused_dequant`
+or torch ops; the same bits every way),
 so gradients reach the input (and PEFT's LoRA adapters around it) through the dequantized
 weight, as in QLoRA; the dequantized weight lives only while the layer's autograd graph does.
 
@@ -51,13 +52,14 @@ dtype), which keeps its packed form: ``load_state_dict(state_dict())`` is exact 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _C
+from . import _C, fused_dequant
 
 BLOCK = 64
 DQ_BLOCK = 256
@@ -138,9 +140,19 @@ def compress_absmax(absmax: torch.Tensor) -> torch.Tensor:
 def expand_absmax(packed: torch.Tensor, nb: int) -> torch.Tensor:
     """The float32 ``(nb,)`` absmax that :func:`compress_absmax`'s bytes stand for, computed on
     their device: ``code[q] * scale + offset`` in float32 (two roundings, as bitsandbytes)."""
+    return _expand(*_absmax_parts(packed, nb))
+
+
+def _absmax_parts(packed: torch.Tensor, nb: int) -> tuple[torch.Tensor, ...]:
+    """Views of :func:`compress_absmax`'s bytes: uint8 codes ``(nb,)``, float32 scales
+    ``(ceil(nb / 256),)``, float32 offset ``(1,)``."""
     floats = packed[_pad4(nb):].view(torch.float32)
-    scale = floats[:-1].repeat_interleave(DQ_BLOCK)[:nb]
-    return _table("dynamic", packed.device)[packed[:nb].long()] * scale + floats[-1]
+    return packed[:nb], floats[:-1], floats[-1:]
+
+
+def _expand(q: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    scale = scales.repeat_interleave(DQ_BLOCK)[:q.numel()]
+    return _table("dynamic", q.device)[q.long()] * scale + offset
 
 
 def quantize(weight: torch.Tensor, frozen_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,18 +218,61 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, frozen_dtype: str,
     dequant.hpp``: runtime-dispatched AVX-512 / AVX2 / NEON / scalar, on the worker pool for
     big tensors when it is idle); elsewhere (CUDA) torch ops on the device. Both give the same
     bits (tests/test_dequant.py). ``"nf4-dq"`` first expands the absmax
-    (:func:`expand_absmax`, torch ops: 1/64 of the values)."""
+    (:func:`expand_absmax`, torch ops: 1/64 of the values).
+
+    On other devices (and on the CPU when ``ROUNDPIPE_DEQUANT=compiled``), one fused kernel
+    compiled by ``torch.compile`` (:mod:`roundpipe.fused_dequant`; ``"nf4-dq"`` expanded in the
+    same kernel), checked once against the torch-op path; where it cannot be compiled or differs,
+    the torch-op path (``ROUNDPIPE_DEQUANT`` chooses, see :mod:`roundpipe.fused_dequant`).
+
+    Raises:
+        ValueError: ``ROUNDPIPE_DEQUANT`` holds an unknown value.
+        RuntimeError: ``ROUNDPIPE_DEQUANT=compiled`` and the kernel cannot run here.
+    """
     n = 1
     for s in shape:
         n *= s
+    nb = -(-n // BLOCK)
+    mode = fused_dequant.mode()
+    if mode != "torch" and not (mode == "auto" and codes.device.type == "cpu"):
+        fn = fused_dequant.kernel(frozen_dtype, dtype, codes.device, _TABLES, _torch_ops,
+                                  required=mode == "compiled")
+        if fn is not None:
+            with torch.no_grad(), torch.autocast(codes.device.type, enabled=False):
+                return fn(*_kernel_args(codes.detach(), scales.detach(), frozen_dtype, nb),
+                          n).view(tuple(shape))
     if frozen_dtype == "nf4-dq":
-        scales = expand_absmax(scales, -(-n // BLOCK))
-    if codes.device.type == "cpu" and dtype in _C_DTYPES:
+        scales = expand_absmax(scales, nb)
+    if codes.device.type == "cpu" and dtype in _C_DTYPES and mode == "auto":
         out = torch.empty(tuple(shape), dtype=dtype)
         fn = _C.dequantize_int8 if frozen_dtype == "int8" else _C.dequantize_nf4
         fn(codes.detach().contiguous(), scales.detach().contiguous(), out)
         return out
     return dequantize_torch(codes, scales, frozen_dtype, shape, dtype)
+
+
+_TABLES = {"nf4": torch.tensor(NF4_CODE, dtype=torch.float32), "dynamic": dynamic_code()}
+
+
+def _kernel_args(codes: torch.Tensor, scales: torch.Tensor, frozen_dtype: str,
+                 nb: int) -> tuple[torch.Tensor, ...]:
+    """The tensor arguments of :mod:`roundpipe.fused_dequant`'s body for ``frozen_dtype``."""
+    if frozen_dtype == "int8":
+        return codes, scales
+    nf4 = _table("nf4", codes.device)
+    if frozen_dtype == "nf4":
+        return codes, scales, nf4
+    return (codes, *_absmax_parts(scales, nb), nf4, _table("dynamic", codes.device))
+
+
+def _torch_ops(kind: str, args: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The torch-op path on :mod:`roundpipe.fused_dequant`'s arguments ``(tensors..., n)``:
+    what its kernels are checked against."""
+    *tensors, n = args
+    if kind == "nf4-dq":
+        codes, q, dq_scales, offset = tensors[:4]
+        tensors = [codes, _expand(q, dq_scales, offset)]
+    return dequantize_torch(tensors[0], tensors[1], kind, (n,), dtype)
 
 
 def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, frozen_dtype: str,
@@ -286,11 +341,21 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias
         self._register_state_dict_hook(QuantizedLinear._dequantized_state)
         self._register_load_state_dict_pre_hook(QuantizedLinear._quantize_loaded, with_module=True)
+        _owners[id(self._parameters)] = self
+
+    def __setstate__(self, state) -> None:  # copy.deepcopy and pickle: a new parameter dict
+        super().__setstate__(state)
+        _owners[id(self._parameters)] = self
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight ``(out_features, in_features)`` in :attr:`compute_dtype`,
-        on the codes' device (a new tensor: writing to it changes nothing)."""
+        on the codes' device: a new tensor (writing to it changes nothing), except inside a
+        RoundPipe stage visit, where it is the one dequantized when the stage was uploaded
+        (:func:`dequantize_uploaded`), the same tensor for each microbatch of the visit."""
+        dense = getattr(self.weight_codes, _DENSE, None)
+        if dense is not None and dense.dtype == self.compute_dtype:
+            return dense
         return dequantize(self.weight_codes, _loaded(self.weight_scales),
                           self.frozen_dtype, self.weight_shape, self.compute_dtype)
 
@@ -342,6 +407,51 @@ class QuantizedLinear(nn.Module):
             codes, scales = quantize(w, self.frozen_dtype)
         state_dict[prefix + "weight_codes"] = codes
         state_dict[prefix + "weight_scales"] = _stored(scales)
+
+
+_DENSE = "_roundpipe_dense"  # attribute of an uploaded codes tensor: its dense weight
+# id(module._parameters) -> the QuantizedLinear owning that dict: how dequantize_uploaded finds
+# a module from the places (dict, key) the pipeline swaps tensors into
+_owners: "weakref.WeakValueDictionary[int, QuantizedLinear]" = weakref.WeakValueDictionary()
+
+
+def dequantize_uploaded(layers: Sequence[Sequence], copies: dict[int, torch.Tensor]) -> list:
+    """Dequantizes, right after a stage's upload and on the stream current there, the weight
+    of every :class:`QuantizedLinear` whose codes and scales were uploaded, once for the whole
+    stage visit: the dense weight is attached to the uploaded codes tensor, where
+    :attr:`QuantizedLinear.weight` finds it while the pipeline has swapped that tensor into the
+    module, and lives as long as it (the visit's weights). On CUDA the dequantization of stage
+    ``s + 1`` is then issued on the upload stream behind its copies and overlaps the compute
+    of stage ``s``, instead of running before each linear for each microbatch.
+
+    Args:
+        layers: per layer of the stage, its tensors: objects with ``host`` (the host tensor)
+            and ``sites`` (``(dict, key)`` pairs: the module dicts holding it), as
+            :class:`roundpipe.transfer.TensorRef`.
+        copies: ``id(host tensor)`` -> its copy on the device.
+
+    Returns:
+        The dense weights made (device tensors, to be kept alive for the compute stream and
+        counted as the stage's device bytes).
+    """
+    made = []
+    for refs in layers:
+        for ref in refs:
+            for held, key in ref.sites:
+                if key != "weight_codes":
+                    continue
+                m = _owners.get(id(held))
+                if m is None or m._parameters is not held:
+                    continue
+                codes = copies.get(id(ref.host))
+                scales = copies.get(id(held.get("weight_scales")))
+                if codes is None or scales is None or getattr(codes, _DENSE, None) is not None:
+                    continue
+                dense = dequantize(codes, _loaded(scales), m.frozen_dtype, m.weight_shape,
+                                   m.compute_dtype)
+                setattr(codes, _DENSE, dense)
+                made.append(dense)
+    return made
 
 
 def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:

@@ -32,7 +32,9 @@ Keys (all floats, accumulated since construction or the last reset):
   ``h2d_weight_bytes / generated_tokens``;
 - ``exact_deferred_calls``: exact-mode calls whose step waited for the end of the backward
   (a loss scaler or clipping needs every gradient's verdict first);
-- ``pinned_bytes``: page-locked host memory held now (CUDA; not reset).
+- ``pinned_bytes``: page-locked host memory held now (CUDA; not reset);
+- ``stages``: the stages of the plan in effect (not reset; ``RoundPipe.plan()`` says which
+  and why); ``plan_revisions``: how many times ``layers_per_stage="auto"`` changed the plan.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ TIME_KEYS = ("wall_s", "device_s", "weights_wait_s", "optimizer_wait_s", "optimi
              "comm_s")
 BYTE_KEYS = (tuple(f"h2d_{k}_bytes" for k in KINDS) + tuple(f"d2h_{k}_bytes" for k in KINDS)
              + ("weight_floor_bytes", "param_grad_floor_bytes", "kv_floor_bytes"))
-COUNT_KEYS = ("exact_deferred_calls", "generate_steps", "generated_tokens")
-GAUGES = ("pinned_bytes",)
+COUNT_KEYS = ("exact_deferred_calls", "generate_steps", "generated_tokens", "plan_revisions")
+GAUGES = ("pinned_bytes", "stages")
 KEYS = TIME_KEYS + BYTE_KEYS + COUNT_KEYS + GAUGES
 
 

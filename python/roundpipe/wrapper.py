@@ -38,6 +38,8 @@ from .pipeline.stage import AutocastState, PassSpec
 from .threads import Worker, check_not_forked
 from .plan import (check_layers, device_index, make_stages, parse_devices, shared_modules,
                    split_layers)
+from . import staging
+from .planner import StagePlan
 from .stats import Stats
 from .steps import StepReport, Steps
 from .torch_private import tree_map
@@ -50,8 +52,8 @@ class RoundPipe(nn.Module):
     weights at a time on the compute device.
 
     The model's layers are the children of an ``nn.Sequential`` (any other module is a single
-    layer) or the modules given as ``layers``; ``layers_per_stage`` consecutive layers form a
-    stage. The model stays on the host in the dtype it has (the *model copy*: fp16, bf16 or
+    layer) or the modules given as ``layers``; consecutive layers form a stage, planned under a
+    device-memory budget on CUDA or fixed (``layers_per_stage``). The model stays on the host in the dtype it has (the *model copy*: fp16, bf16 or
     fp32; it is what the device computes in). Every trainable parameter also gets an
     *optimizer copy* in ``optim_dtype`` (default: the model's dtype), created once here:
     optimizers work on those (:meth:`optim_parameters`, or :meth:`parameters` inside
@@ -82,7 +84,17 @@ class RoundPipe(nn.Module):
             path). Stage ``s`` runs on ``device[s % len(device)]``; each device has a worker
             thread, so ``["cpu", "cpu"]`` is two CPU workers (the scheduler runs for real
             without a GPU) and ``["cuda:0", "cuda:1"]`` two GPUs. CPU and CUDA are not mixed.
-        layers_per_stage: consecutive layers per stage (default 1).
+        layers_per_stage: how layers form stages (see :mod:`roundpipe.staging`): ``"auto"``
+            (planned by :func:`roundpipe.planner.plan_stages` from layer costs measured during
+            the first training calls, under ``memory_budget``), an int ``N`` (``N`` consecutive
+            layers per stage) or a sequence of ints (the layers of each stage: a pinned plan,
+            e.g. ``plan().sizes``). Default (None): ``"auto"`` on CUDA, 1 on the CPU device.
+            :meth:`plan` says which plan is in effect and why.
+        memory_budget: with ``"auto"``, the device memory the pipeline may use on each device:
+            a fraction of the smallest device's memory (default 0.6; CUDA: its total memory
+            times the process's memory fraction; the CPU device: the machine's RAM) or bytes
+            (an int). Each stage holds at most half of it (weights, gradient sums, one
+            microbatch's activations), so the next stage uploads while one computes.
         num_microbatch: default number of microbatches per call (default: number of devices + 1,
             at most the batch size). Results do not depend on the number of devices, for a
             given number of microbatches.
@@ -92,9 +104,10 @@ class RoundPipe(nn.Module):
             ``"alloc"`` (moved into one registered arena of exactly its size), ``"register"``
             (``cudaHostRegister`` in place) or ``"off"``; when pinning fails, pageable memory
             with a warning. The mode in effect is ``self.pin_memory`` (``"off"`` for CPU).
-        prefetch: CUDA only: upload the next stage's weights while the current one computes
-            (at most two stages of weights resident per device).
-        max_resident_bytes: CUDA only: no prefetch when the current and the next stage's
+        prefetch: upload the next stage's weights while the current one computes (at most
+            two stages of weights resident per device; on the CPU device the same logic runs,
+            with copies that are synchronous).
+        max_resident_bytes: no prefetch when the current and the next stage's
             weights together exceed this many bytes (default: no cap).
         layers: the pipeline's layers, run in order, instead of ``model``'s split (e.g. the
             embeddings, decoder layers and head of a Hugging Face model). ``model`` stays the
@@ -113,8 +126,8 @@ class RoundPipe(nn.Module):
         grad_reduction: ``"mean"`` (default, as DDP) or ``"sum"`` of the ranks' gradients.
         frozen_dtype: ``"nf4"`` (QLoRA's 4-bit NormalFloat), ``"nf4-dq"`` (the same with
             QLoRA's double quantization of the absmax) or ``"int8"`` (blockwise absmax): the weights of ``nn.Linear`` modules that do not require grad are kept on
-            the host in that format, uploaded packed and dequantized on the device right before
-            each linear runs (see :mod:`roundpipe.quant`); biases, norms, embeddings, tied or
+            the host in that format, uploaded packed and dequantized on the device once per
+            stage visit, right behind the upload (see :mod:`roundpipe.quant`); biases, norms, embeddings, tied or
             output embeddings and every trainable parameter stay as they are. Raises
             ``ValueError`` when the model has no frozen linear. None (default): no quantization.
 
@@ -129,7 +142,11 @@ class RoundPipe(nn.Module):
 
     Raises:
         ValueError: a parameter or buffer is not on the CPU, ``optim_dtype`` is not a floating
-            dtype, ``layers_per_stage`` / ``num_microbatch`` is < 1, ``device`` is an empty
+            dtype, ``layers_per_stage`` is not ``"auto"``, an int >= 1 or layer counts summing
+            to the number of layers (or puts a layer the model needs out of the last stage
+            there), ``memory_budget`` is not a fraction or bytes, a layer alone needs more
+            than half of the budget (with ``"auto"``, at the call that plans),
+            ``num_microbatch`` is < 1, ``device`` is an empty
             list, names an unsupported device type or mixes CPU and CUDA, ``pin_memory`` is
             not one of the modes, ``max_resident_bytes`` < 0, ``layers`` is empty or holds a
             tensor that is not ``model``'s, ``shard_optimizer`` without ``process_group``,
@@ -143,7 +160,7 @@ class RoundPipe(nn.Module):
     """
 
     def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None, *,
-                 device: Any = None, layers_per_stage: int = 1,
+                 device: Any = None, layers_per_stage: Any = None, memory_budget: Any = 0.6,
                  num_microbatch: Optional[int] = None,
                  split_fn: Optional[Callable[..., list]] = None,
                  pin_memory: str = "auto", prefetch: bool = True,
@@ -182,12 +199,15 @@ class RoundPipe(nn.Module):
         if frozen_dtype is not None:
             frozen_linears(model, frozen_dtype)  # raises when there is nothing to quantize
         checked = check_layers(model, layers) if layers is not None else None
+        devices = parse_devices(device)
+        num_layers = len(checked) if checked is not None else len(split_layers(model))
+        staging.parse(layers_per_stage, memory_budget, num_layers, devices[0].type)
         self._comm = None
         if process_group is not None:
             self._comm = Comm(process_group, grad_reduction, shard_optimizer, Stats())
             self._comm.check_and_broadcast(model, {  # the settings every rank must share
                 "optim_dtype": optim_dtype, "layers_per_stage": layers_per_stage,
-                "layers": None if layers is None else len(layers)})
+                "memory_budget": memory_budget, "layers": None if layers is None else len(layers)})
         elif grad_reduction not in REDUCTIONS:
             raise ValueError(f"RoundPipe: grad_reduction must be one of {REDUCTIONS}, got "
                              f"{grad_reduction!r}")
@@ -195,7 +215,7 @@ class RoundPipe(nn.Module):
         self.grad_reduction = grad_reduction
         tune_malloc()
         self.module = model
-        self.devices = parse_devices(device)
+        self.devices = devices
         self.device = self.devices[0]
         self.prefetch = prefetch
         self.max_resident_bytes = max_resident_bytes
@@ -204,16 +224,57 @@ class RoundPipe(nn.Module):
             new = quantize_frozen_linears(model, frozen_dtype)
             checked = None if checked is None else [new.get(id(m), m) for m in checked]
         self._layers = checked if checked is not None else split_layers(model)
-        self._stages = make_stages(len(self._layers), layers_per_stage, self.devices)
+        fence, why = self._last_stage_fence(self._layers)
+        self._staging = staging.Staging(self._layers, self.devices, layers_per_stage,
+                                        memory_budget, fence, why)
+        self._stages = make_stages(self._staging.plan.sizes, self.devices)
         self.num_microbatch = num_microbatch or len(self.devices) + 1
         self._split = split_fn or mb.split_microbatches
         self.pin_memory, self._pinned_bytes = "off", 0
         if self.devices[0].type == "cuda":
             from .transfer.cuda import pin_host_model
             self.pin_memory, self._pinned_bytes = pin_host_model(model, pin_memory, self.devices[0])
+        if self._comm is not None and self._staging.auto:  # every rank plans under the same
+            self._staging.budget_bytes = self._comm.smallest(self._staging.budget_bytes)
         self._copies = ParamCopies(model, self._layers, self._stages, optim_dtype, self._comm)
         self._build_layout()
         self._runtime_init()
+
+    def _last_stage_fence(self, layers: list[nn.Module]) -> tuple[int, str]:
+        """The first layer the last stage may start at (0: any), and why (for the error a
+        fixed plan that breaks it gets); a subclass whose last stage must hold only some
+        layers overrides it."""
+        return 0, ""
+
+    def plan(self) -> StagePlan:
+        """The stage plan in effect: layers per stage (``plan().sizes``, which
+        ``layers_per_stage=`` accepts to pin it), its predicted call time and device bytes
+        per stage when planned, and the reason (see :mod:`roundpipe.staging`)."""
+        return self._staging.plan
+
+    def _set_plan(self, plan: StagePlan) -> None:
+        """Makes ``plan`` the stages of the next pass (between calls, with no optimizer work
+        pending: queued work refers to stage numbers)."""
+        self._steps.thread.wait()
+        self._stages = make_stages(plan.sizes, self.devices)
+        self._copies.set_stages(self._stages)
+        self._build_layout()
+        self._stats.add("plan_revisions", 1)
+        self._stats.set("stages", len(self._stages))
+
+    def _revise_plan(self, mbs: list) -> None:
+        """With ``layers_per_stage="auto"``, before a training call: the plan made from what
+        was measured so far, if it changes (see :mod:`roundpipe.staging`)."""
+        agree = None
+        if self._comm is not None:
+            agree = self._comm.agree
+            if self._staging.planning():
+                self._steps.thread.wait()  # the optimizer thread's collectives done, on every rank
+        plan = self._staging.revise(
+            mbs, lambda: staging.measured_link(self.pipeline_stats(), self.devices[0].type),
+            agree)
+        if plan is not None:
+            self._set_plan(plan)
 
     def _build_layout(self) -> None:
         """The pipeline's maps over the layers (:func:`roundpipe.plan.shared_modules`)."""
@@ -226,6 +287,7 @@ class RoundPipe(nn.Module):
         ``copy.deepcopy`` (never copied)."""
         self._stats = Stats()
         self._stats.set("pinned_bytes", self._pinned_bytes)
+        self._stats.set("stages", len(self._stages))
         self._workers = [Worker(f"roundpipe-{d}-{i}") for i, d in enumerate(self.devices)]
         reduction = None
         if self._comm is not None:
@@ -239,10 +301,11 @@ class RoundPipe(nn.Module):
         if self.devices[0].type == "cuda":
             from .transfer.cuda import CudaIO, HostWrites
             writes = HostWrites()
-            self._ios = [CudaIO(d, self._stats, self.prefetch, self._grad_numels, writes)
-                         for d in self.devices]
+            self._ios = [CudaIO(d, self._stats, self.prefetch, self._grad_numels, writes,
+                                pin=self.pin_memory != "off") for d in self.devices]
         else:
-            self._ios = [CpuIO(d, self._stats, self._copies.pool) for d in self.devices]
+            self._ios = [CpuIO(d, self._stats, self._copies.pool, self.prefetch)
+                         for d in self.devices]
         self._call_lock = threading.Lock()
         self._call_owner: Optional[threading.Thread] = None
         self._call_name = ""
@@ -562,14 +625,17 @@ class RoundPipe(nn.Module):
         with self._call("forward_backward"):
             mbs = self._microbatches(input_args, input_kwargs, label, num_microbatch)
             shares = mb.loss_shares(mbs, loss_reduction)
+            self._revise_plan(mbs)
             # the optimizer side's policy for this call (loss scale, exact mode, discarding
             # the gradients if it fails, the step after the backward): steps.py
             with self._steps.call(optimizer, grad_scaler, clip) as call:
                 spec = PassSpec(mbs, True, loss_fn, label is not None, return_outputs,
                                 draw_call_seed(), AutocastState.capture(), loss_scale=call.scale,
-                                want_norms=call.want_norms, loss_weights=shares)
+                                want_norms=call.want_norms, loss_weights=shares,
+                                meter=self._staging.meter_for(mbs))
                 try:
                     run = self._run_pass(spec, call.grad_sink)
+                    self._staging.fold(spec.meter)
                     total = torch.zeros((), dtype=torch.float64)
                     for t, _ in run.losses:
                         total += t

@@ -5,7 +5,8 @@
 //   roundpipe/optimizer.hpp         the Optimizer<Options> class template (owns the state)
 //   roundpipe/optimizer_classes.hpp the optimizer classes roundpipe::Adam, ..., roundpipe::SGD
 //   roundpipe/state_traits.hpp      what generic code reads of a <Name>State
-//   roundpipe/buffers.hpp, step_io.hpp, compact.hpp, isa.hpp, threads.hpp, stream.hpp, error.hpp
+//   roundpipe/buffers.hpp, step_io.hpp, compact.hpp, isa.hpp, threads.hpp, tuning.hpp, stream.hpp,
+//                                   error.hpp
 //   roundpipe/dequant.hpp           dequantization of NF4 / int8 weight blocks (quantized bases)
 #pragma once
 #include "roundpipe/adadelta.hpp"
@@ -30,3 +31,4 @@
 #include "roundpipe/state_traits.hpp"
 #include "roundpipe/stream.hpp"
 #include "roundpipe/threads.hpp"
+#include "roundpipe/tuning.hpp"

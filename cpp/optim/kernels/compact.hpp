@@ -252,16 +252,16 @@ inline void store_compact(const detail::CompactArray& a, std::uint32_t first, st
   }
 }
 
-// A software prefetch of a slice's array (present) of format F, kPrefetchAhead elements ahead of
-// i (for_range.hpp: the update's divisions would otherwise issue its loads late).
+// A software prefetch of a slice's array (present) of format F, as prefetch_streams (for_range.hpp:
+// the update's divisions would otherwise issue its loads late).
 template <StateFormat F>
 inline void prefetch_compact(const detail::CompactArray& a, std::size_t i) {
   if constexpr (F == StateFormat::bfloat16)
-    __builtin_prefetch(static_cast<const std::uint16_t*>(a.packed) + i + kPrefetchAhead);
+    prefetch_streams<Vec>(i, static_cast<const std::uint16_t*>(a.packed));
   else if constexpr (F == StateFormat::int8)
-    __builtin_prefetch(static_cast<const std::uint8_t*>(a.packed) + i + kPrefetchAhead);
+    prefetch_streams<Vec>(i, static_cast<const std::uint8_t*>(a.packed));
   else
-    __builtin_prefetch(a.values + i + kPrefetchAhead);
+    prefetch_streams<Vec>(i, a.values);
 }
 
 // compact_slice's loop with the parameter's format PF (and, for a bfloat16 one, whether its
@@ -283,7 +283,7 @@ inline void compact_slice_with(const detail::CompactSlice& slice, Body body) {
     using V = decltype(tag);
     if constexpr (std::is_same_v<V, Vec>) {
       prefetch_compact<PF>(s.param, i);
-      __builtin_prefetch(s.grad + i + kPrefetchAhead);
+      prefetch_streams<Vec>(i, s.grad);
       for (int k = 0; k < K; ++k)
         if (Present >> k & 1u) prefetch_compact<SF>(s.state[k], i);
     }

@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <type_traits>
 
+#include "../prefetch.hpp"
+
 namespace roundpipe {
 namespace ROUNDPIPE_ISA_NS {
 
@@ -44,17 +46,21 @@ inline double sum_range(std::size_t begin, std::size_t end, Body&& body) {
   return total + tail.v;
 }
 
-// Software prefetch of each array a kernel streams through, kPrefetchAhead elements ahead of i
-// (in the vector body only). The hardware prefetchers follow the streams too, but a kernel busy
-// with divisions and square roots issues its loads late: without this, the division-heavy
-// kernels (NAdam, RAdam, Adam, Adadelta, RMSprop) ran at 84-90% of the traffic floor with
-// AVX-512 and Rprop at 78% with AVX2; prefetching 2 KiB ahead per stream brought every kernel to
-// 92-102% (16M elements, 1 thread, AVX-512 and AVX2 on the same Xeon; 1 and 4 KiB did worse).
+// Software prefetch of each array a kernel streams through, detail::g_prefetch_elements elements
+// ahead of i (in the vector body only; 0: none). The hardware prefetchers follow the streams
+// too, but a kernel busy with divisions and square roots issues its loads late: without this,
+// the division-heavy kernels (NAdam, RAdam, Adam, Adadelta, RMSprop) ran at 84-90% of the
+// traffic floor with AVX-512 and Rprop at 78% with AVX2 on a Xeon, and 2 KiB ahead per float32
+// stream brought every kernel to 92-102% there (16M elements, 1 thread). The best distance
+// depends on the CPU, so it is chosen where the library runs (roundpipe/tuning.hpp: the
+// environment, or a calibration by the first large steps); a prefetch changes no result.
 // Prefetching past an array's end is harmless (a prefetch never faults).
-constexpr std::size_t kPrefetchAhead = 512;
 template <class V, class... P>
 inline void prefetch_streams(std::size_t i, const P*... arrays) {
-  if constexpr (std::is_same_v<V, Vec>) (__builtin_prefetch(arrays + i + kPrefetchAhead), ...);
+  if constexpr (std::is_same_v<V, Vec>) {
+    const std::size_t ahead = detail::g_prefetch_elements;
+    if (ahead != 0) (__builtin_prefetch(arrays + i + ahead), ...);
+  }
 }
 
 // The accumulator of lane type V: a reduction keeps one for the vector body and one for the tail.

@@ -9,7 +9,10 @@ how much of it is hidden (:mod:`roundpipe.bench.distributed`);
 convergence of each compact-storage option (:mod:`roundpipe.bench.memory`);
 ``python -m roundpipe.bench generate [options]``: generation through the pipeline against
 plain transformers generate, tokens/s and bytes per generated token
-(:mod:`roundpipe.bench.generate`)."""
+(:mod:`roundpipe.bench.generate`);
+``python -m roundpipe.bench qlora [options]``: LoRA on a quantized frozen base against a bf16
+base, tokens/s and upload bytes, and (CUDA) one layer's dequantization
+(:mod:`roundpipe.bench.qlora`)."""
 
 import sys
 
@@ -32,6 +35,10 @@ if __name__ == "__main__":
         from .generate import main as generate_main
 
         generate_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "qlora":
+        from .qlora import main as qlora_main
+
+        qlora_main(sys.argv[2:])
     elif len(sys.argv) > 1 and sys.argv[1] == "memory":
         from .memory import main as memory_main
 

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from roundpipe import _C
+from roundpipe.optim.compact import staggered_zeros
 
 STATE_KEYS = ["state0", "state1", "state2"]
 
@@ -47,7 +48,9 @@ def floor_step(params: list, n_states: int, passes: int = 1) -> tuple[Callable[[
     """The floor of a step over ``params`` (with gradients) keeping ``n_states`` float32 state
     arrays, in ``passes`` streaming passes: a callable doing one step, and the bytes per element
     it moves."""
-    states = [[torch.zeros_like(p) for p in params] for _ in range(n_states)]
+    # laid out as roundpipe.optim lays out its state (compact.staggered_zeros), so that the floor
+    # and the step stream through the same page offsets
+    states = [[staggered_zeros(p, k, n_states) for p in params] for k in range(n_states)]
     # each pass over tensors of its own: a plan re-checks a parameter whose version counter
     # another call bumped (as it must), which two plans over the same tensors would do each time
     runs = [_pass(params if k == 0 else _twins(params), states) for k in range(passes)]

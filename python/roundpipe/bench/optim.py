@@ -32,11 +32,13 @@ asleep, not spinning, when the step returns).
     python -m roundpipe.bench --scale 0.001 --repeats 5 --json out.json   # a quick run
     python -m roundpipe.bench --mixed-layout none     # skip the mixed-precision table
     python -m roundpipe.bench --peers only --algorithms Adam AdamW --layouts 50M --threads all
+    python -m roundpipe.bench --clock thread        # CPU time: on a machine shared with others
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -46,9 +48,9 @@ import roundpipe.optim as rpo
 from roundpipe import _C
 
 from . import (write_json, MIN_REPEATS, Figure, available_cpus, compare, human, interleave, paired_ratio,
-               positive_float, positive_int, repeats_arg, timed, writable_path)
+               positive_float, positive_int, repeats_arg, writable_path)
 from . import peers as peer_table
-from .cpu import cpu_model
+from .cpu import cpu_model, cpu_vendor, describe_prefetch
 from .floors import floor_step, matrix_shape
 
 # name -> (roundpipe class, torch class, whether torch has fused=True for CPU)
@@ -165,12 +167,38 @@ def layout_label(count: int, size: int) -> str:
     return human(size) if count == 1 else f"{count}x{human(size)}"
 
 
-def _measure(steps: dict, repeats: int, elements: int) -> dict[str, list[float]]:
-    """ns per element of every step, per repeat, interleaved, after one untimed step each (the
-    first step creates the state and, for ours, the param group's step plan)."""
-    for fn in steps.values():
+# untimed rounds at most, to let the prefetch calibration finish before the timing
+CALIBRATION_ROUNDS = 5
+
+
+# --clock: what a step's time is. "thread": the calling thread's CPU time, which leaves out the
+# time the OS gives other processes (on a machine shared with other work); with one thread every
+# contender (our pool, torch's intra-op threads, the peers' OpenMP loops) runs on the caller.
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def _timed(fn, clock):
+    def run() -> float:
+        start = clock()
         fn()
-    times = interleave({k: timed(fn) for k, fn in steps.items()}, repeats)
+        return clock() - start
+    return run
+
+
+def _measure(steps: dict, repeats: int, elements: int,
+             clock=time.perf_counter) -> dict[str, list[float]]:
+    """ns per element of every step (timed by ``clock``), per repeat, interleaved, after one
+    untimed step each (the first step creates the state and, for ours, the param group's step
+    plan), and more untimed rounds (up to :data:`CALIBRATION_ROUNDS`) while the kernels are
+    calibrating their prefetch distance on steps of this size (roundpipe/tuning.hpp), so that
+    every timed step runs with the distance chosen."""
+    for _ in range(CALIBRATION_ROUNDS):
+        for fn in steps.values():
+            fn()
+        if (rpo.prefetch_choice()["source"] != "default (calibrating)"
+                or elements < _C.PREFETCH_CALIBRATION_ELEMENTS):
+            break
+    times = interleave({k: _timed(fn, clock) for k, fn in steps.items()}, repeats)
     return {k: [1e9 * t / elements for t in v] for k, v in times.items()}
 
 
@@ -265,7 +293,8 @@ def matmul_interference(repeats: int) -> dict:
             "after_over_alone": paired_ratio([p[1] for p in pairs], [p[0] for p in pairs]).as_dict()}
 
 
-def run_mixed(algorithms, layout: str, repeats: int, scale: float, log=print) -> list[dict]:
+def run_mixed(algorithms, layout: str, repeats: int, scale: float, log=print,
+              measure=_measure) -> list[dict]:
     count, size = layout_shape(layout, scale)
     gen = torch.Generator().manual_seed(1)
     rows = []
@@ -274,7 +303,7 @@ def run_mixed(algorithms, layout: str, repeats: int, scale: float, log=print) ->
             continue
         steps, fused_bytes, separate_bytes = _mixed_contenders(name, count, size, gen)
         row = _row(name, layout, count, size, fused_bytes,
-                   _measure(steps, repeats, count * size), "fused")
+                   measure(steps, repeats, count * size), "fused")
         row.update(fused_bytes_per_element=fused_bytes, separate_bytes_per_element=separate_bytes)
         rows.append(row)
         log(format_row(row))
@@ -302,15 +331,53 @@ def thread_setup(threads: int) -> dict:
     """The threads this benchmark runs with, as they are set (not as asked)."""
     return {"torch_intra_op": torch.get_num_threads(), "roundpipe_pool": rpo.num_threads(),
             "device_workers": 0, "cpus_available": available_cpus(), "isa": rpo.active_isa(),
-            "cpu": cpu_model(), "threads_arg": threads}
+            "cpu": cpu_model(), "cpu_vendor": cpu_vendor(), "threads_arg": threads}
+
+
+# the single-tensor layout and the multi-tensor layout of the same bytes, compared by layout_gaps
+SAME_BYTES = ("50M", "200x250k")
+
+
+def layout_gaps(rows: list[dict]) -> list[dict]:
+    """Per algorithm measured on both layouts of :data:`SAME_BYTES` with as many elements: our
+    time per element on the one tensor over that on the many (measured in different rounds, so
+    also normalised by each layout's floor, measured in the same rounds as its step)."""
+    by = {(r["algorithm"], r["layout"]): r for r in rows}
+    gaps = []
+    for (name, layout), one in by.items():
+        many = by.get((name, SAME_BYTES[1]))
+        if layout != SAME_BYTES[0] or many is None or many["elements"] != one["elements"]:
+            continue
+        ratio = one["ns_per_param"]["roundpipe"] / many["ns_per_param"]["roundpipe"]
+        fractions = (Figure.from_dict(one["floor_fraction"]).median,
+                     Figure.from_dict(many["floor_fraction"]).median)
+        gaps.append({"algorithm": name, "one": one["label"], "many": many["label"],
+                     "time_ratio": ratio, "floor_fraction": fractions,
+                     "floor_normalised_ratio": fractions[1] / fractions[0]})
+    return gaps
+
+
+def format_gap(g: dict) -> str:
+    """One line of :func:`layout_gaps`' output: the time ratio, the floor-normalised one and
+    both layouts' fractions of their floor."""
+    return (f"{g['algorithm']:9s} one tensor ({g['one']}) / {g['many']}: "
+            f"{g['time_ratio']:.3f}x the time per element; floor-normalised "
+            f"{g['floor_normalised_ratio']:.3f}x ({100 * g['floor_fraction'][0]:.0f}% vs "
+            f"{100 * g['floor_fraction'][1]:.0f}% of the floor)")
 
 
 def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print,
-        mixed_layout: str | None = None, peers: str = "none", peer_packages=None) -> dict:
+        mixed_layout: str | None = None, peers: str = "none", peer_packages=None,
+        clock: str = "wall") -> dict:
     """The benchmark: the main table (unless ``peers == "only"``), the mixed-precision table
     on ``mixed_layout`` (None: skipped), and the peers table (``peers``: ``auto``, ``only`` or
-    ``none``; ``peer_packages``: whose peers, default all installed); returns everything as a
-    dict (the ``--json`` file)."""
+    ``none``; ``peer_packages``: whose peers, default all installed), every step timed by
+    ``clock`` (:data:`CLOCKS`; ``thread`` only with one thread); returns everything as a dict
+    (the ``--json`` file)."""
+    if clock == "thread" and threads != 1:
+        raise ValueError(f"clock 'thread' needs threads=1 (the caller runs every step), got "
+                         f"{threads}")
+    measure = functools.partial(_measure, clock=CLOCKS[clock])
     rpo.set_num_threads(threads)
     torch.set_num_threads(threads)
     setup = thread_setup(threads)
@@ -323,15 +390,21 @@ def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print
             for name in algorithms:
                 steps, bytes_per_element = _contenders(name, count, size, gen)
                 row = _row(name, layout, count, size, bytes_per_element,
-                           _measure(steps, repeats, count * size), "roundpipe")
+                           measure(steps, repeats, count * size), "roundpipe")
                 rows.append(row)
                 log(format_row(row))
                 del steps
+    gaps = layout_gaps(rows)
+    if gaps:
+        log("one tensor against the same elements split into many (ours; measured in different "
+            "rounds):")
+        for g in gaps:
+            log(format_gap(g))
     mixed = []
     if mixed_layout is not None and peers != "only":
         log("mixed precision (bf16 gradient in, bf16 model copy out) vs convert + step + copy:")
         log(MIXED_HEADER)
-        mixed = run_mixed(algorithms, mixed_layout, repeats, scale, log)
+        mixed = run_mixed(algorithms, mixed_layout, repeats, scale, log, measure)
     peer_result = None
     if peers != "none":
         log("peers: the CPU optimizers users would otherwise pick, on the same tensors, threads "
@@ -339,10 +412,11 @@ def run(algorithms, layouts, threads: int, repeats: int, scale: float, log=print
         shapes = [(layout, *layout_shape(layout, scale)) for layout in layouts]
         peer_result = peer_table.run(algorithms,
                                      [(n, c, s, layout_label(c, s)) for n, c, s in shapes],
-                                     threads, repeats, _measure, log, peer_packages)
+                                     threads, repeats, measure, log, peer_packages)
     return {"threads": setup, "isa": rpo.active_isa(), "repeats": repeats, "scale": scale,
-            "rows": rows, "mixed": mixed, "peers": peer_result,
-            "matmul": matmul_interference(repeats)}
+            "clock": clock,
+            "rows": rows, "gaps": gaps, "mixed": mixed, "peers": peer_result,
+            "matmul": matmul_interference(repeats), "prefetch": rpo.prefetch_choice()}
 
 
 def main(argv=None) -> None:
@@ -374,30 +448,41 @@ def main(argv=None) -> None:
                          "the other tables), only (just it), none")
     ap.add_argument("--peer-packages", nargs="+", choices=list(peer_table.PACKAGES),
                     help="only the peers of these packages (default: every one installed)")
+    ap.add_argument("--clock", default="wall", choices=list(CLOCKS),
+                    help="what a step's time is: wall (default), or thread: the calling "
+                         "thread's CPU time, which leaves out the time the OS gives other "
+                         "processes on a shared machine (only with --threads 1, where every "
+                         "contender runs on the calling thread)")
     ap.add_argument("--json", type=writable_path,
                     help="also write the results (with every repeat's values) as JSON to this file")
     args = ap.parse_args(argv)
     threads = threads_arg(args.threads)
+    if args.clock == "thread" and threads != 1:
+        ap.error(f"--clock thread needs --threads 1, got --threads {args.threads}")
     rpo.set_num_threads(threads)
     torch.set_num_threads(threads)
     t = thread_setup(threads)
-    print(f"RoundPipe optimizer benchmark on {cpu_model()}: ISA {t['isa']}; threads: "
+    print(f"RoundPipe optimizer benchmark on {t['cpu_vendor']} {t['cpu']}: ISA {t['isa']}, "
+          f"prefetch {describe_prefetch(rpo.prefetch_choice())}; threads: "
           f"roundpipe.optim pool "
           f"{t['roundpipe_pool']}, torch intra-op {t['torch_intra_op']} (both --threads"
           f"{' all' if args.threads == 'all' else ''}; the peers' OpenMP loops too), no "
           f"RoundPipe device workers; {t['cpus_available']} CPUs available; median of "
-          f"{args.repeats} interleaved repeats")
+          f"{args.repeats} interleaved repeats, "
+          f"{'wall time' if args.clock == 'wall' else 'the calling thread CPU time'}")
     print(LEGEND)
     if args.peers != "none":
         print(peer_table.LEGEND)
     result = run(args.algorithms, args.layouts, threads, args.repeats, args.scale,
                  mixed_layout=None if args.mixed_layout == "none" else args.mixed_layout,
-                 peers=args.peers, peer_packages=args.peer_packages)
+                 peers=args.peers, peer_packages=args.peer_packages, clock=args.clock)
     m = result["matmul"]
     alone, after, ratio = (Figure.from_dict(m[k]) for k in ("alone_ms", "after_step_ms",
                                                             "after_over_alone"))
     print(f"512x512 matmul: {alone.text(3)} ms alone, {after.text(3)} ms right after a RoundPipe "
           "step: " + compare(ratio, "the time alone"))
+    print(f"kernels' choices on {t['cpu_vendor']} {t['cpu']}: ISA {result['isa']}, prefetch "
+          f"{describe_prefetch(result['prefetch'])}")
     if args.json:
         write_json(args.json, result)
     wrong = (result["peers"] or {}).get("wrong")

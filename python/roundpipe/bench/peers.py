@@ -63,8 +63,9 @@ BLOCK = 256  # elements per int8 block, in ours (roundpipe.optim.compact), torch
 #: package -> what to install for it
 PACKAGES = {
     "deepspeed": "pip install deepspeed ninja py-cpuinfo (its C++ ops build on first use)",
-    "torchao": "pip install torchao",
-    "bitsandbytes": "pip install bitsandbytes",
+    "torchao": "bash scripts/setup.sh --peers, then PYTHONPATH=.venv/peers; or pip install torchao",
+    "bitsandbytes": "bash scripts/setup.sh --peers, then PYTHONPATH=.venv/peers; or pip install "
+                    "bitsandbytes",
 }
 
 Factory = Callable[[list, float], torch.optim.Optimizer]

@@ -95,13 +95,13 @@ def measure(args) -> dict:
 
 
 def measure_training(hidden: int, layers: int, seq: int, repeats: int, device: str,
-                     bases: list[str]) -> dict:
+                     bases: list[str], batch: int = 4) -> dict:
     """LoRA training on each base of ``bases`` (keys of :data:`BASES`, "bf16" first) on
-    ``device``: host bytes, upload bytes of one step, tokens/s (interleaved rounds, one step
-    each) and their ratios to the bf16 base's."""
+    ``device`` with ``batch`` sequences of ``seq`` tokens: host bytes, upload bytes of one step
+    and their floor (``weight_floor_bytes``: every stage's packed weights once per visit),
+    tokens/s (interleaved rounds, one step each) and their ratios to the bf16 base's."""
     import roundpipe.optim as rpo
 
-    batch = 4
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1024, (batch, seq), generator=gen)
     inputs = {"input_ids": ids, "labels": ids}
@@ -121,17 +121,20 @@ def measure_training(hidden: int, layers: int, seq: int, repeats: int, device: s
         step()  # warm-up
         w.pipeline_stats(reset=True)
         step()
-        uploads = w.pipeline_stats()["h2d_weight_bytes"]
+        stats = w.pipeline_stats()
         runs[name] = timed(step)
         rows[name] = dict(frozen_dtype=fd, linear_params=dense, host_bytes_per_param=per_linear,
                           base_bytes_per_param=base_bytes / base_params,
-                          upload_bytes_per_step=uploads)
+                          upload_bytes_per_step=stats["h2d_weight_bytes"],
+                          weight_floor_bytes_per_step=stats["weight_floor_bytes"])
     seconds = interleave(runs, repeats)
     tokens = batch * seq
     for name, row in rows.items():
         row["tokens_per_s"] = Figure.of([tokens / s for s in seconds[name]]).as_dict()
         row["tokens_vs_bf16"] = paired_ratio(seconds["bf16"], seconds[name]).as_dict()
         row["upload_vs_bf16"] = row["upload_bytes_per_step"] / rows["bf16"]["upload_bytes_per_step"]
+        row["upload_vs_floor"] = row["upload_bytes_per_step"] / row["weight_floor_bytes_per_step"]
+        row["step_s"] = Figure.of(seconds[name]).as_dict()
     return {"model": dict(hidden=hidden, layers=layers, seq=seq, batch=batch, device=device),
             "rows": rows}
 
@@ -208,17 +211,24 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def measure_cuda_layer(hidden: int, intermediate: int, repeats: int, device: str) -> dict:
-    """One Llama decoder layer's frozen linears on a CUDA ``device``, NF4: per interleaved
-    round, the milliseconds (CUDA events) of uploading its packed codes and absmax from pinned
-    host memory, of uploading its bfloat16 weights the same way (what a bf16 base moves), of
-    dequantizing them on the device into bfloat16 (:func:`roundpipe.quant.dequantize_torch`,
-    what RoundPipe runs there) and, where bitsandbytes is installed with CUDA, of its
-    ``dequantize_4bit`` of the same weights (which must give our bits)."""
+def measure_cuda_layer(hidden: int, intermediate: int, repeats: int, device: str,
+                       formats: tuple = ("nf4", "nf4-dq", "int8")) -> dict:
+    """One Llama decoder layer's frozen linears on a CUDA ``device``: per interleaved round,
+    the milliseconds (CUDA events) of uploading its NF4 codes and absmax from pinned host
+    memory, of uploading its bfloat16 weights the same way (what a bf16 base moves), of
+    dequantizing the NF4 weights on the device into bfloat16 with torch ops
+    (:func:`roundpipe.quant.dequantize_torch`, the fallback) and with the fused kernel of each
+    of ``formats`` (:func:`roundpipe.quant.dequantize` as RoundPipe calls it, one call per
+    weight: :mod:`roundpipe.fused_dequant`; where it is refused, the reason, and the figure is
+    the fallback's) and, where bitsandbytes is installed with CUDA, of its ``dequantize_4bit``
+    of the same weights (which must give our bits). The fused kernels' output is compared with
+    the torch ops' bit for bit."""
     import transformers
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from roundpipe.quant import dequantize_torch, quantize
+    from roundpipe import fused_dequant
+    from roundpipe.quant import (_TABLES, _torch_ops, dequantize, dequantize_torch,
+                                 expand_absmax, quantize)
 
     cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate,
                                    num_attention_heads=max(1, hidden // 128),
@@ -256,6 +266,22 @@ def measure_cuda_layer(hidden: int, intermediate: int, repeats: int, device: str
         "dequant torch": events(lambda: [dequantize_torch(c, s, "nf4", w.shape, torch.bfloat16)
                                          for (c, s), w in zip(on_device, weights)]),
     }
+    fused, refused, same_bits = {}, {}, {}
+    for kind in formats:
+        if fused_dequant.kernel(kind, torch.bfloat16, torch.device(device), _TABLES,
+                                _torch_ops) is None:
+            refused[kind] = fused_dequant.why_not(kind, torch.bfloat16, torch.device(device))
+        fused[kind] = [tuple(t.to(device) for t in quantize(w, kind)) for w in weights]
+        contenders[f"dequant fused {kind}"] = events(
+            lambda q=fused[kind], k=kind: [dequantize(c, s, k, w.shape, torch.bfloat16)
+                                           for (c, s), w in zip(q, weights)])
+        same = True
+        for (c, s), w in zip(fused[kind], weights):
+            scales = expand_absmax(s, -(-w.numel() // 64)) if kind == "nf4-dq" else s
+            want = dequantize_torch(c, scales, kind, w.shape, torch.bfloat16)
+            same &= torch.equal(dequantize(c, s, kind, w.shape, torch.bfloat16).view(torch.int16),
+                                want.view(torch.int16))
+        same_bits[kind] = bool(same)
     if theirs is not None:
         contenders["dequant bitsandbytes"] = events(
             lambda: [bnb.dequantize_4bit(q, st) for q, st in theirs])
@@ -265,7 +291,10 @@ def measure_cuda_layer(hidden: int, intermediate: int, repeats: int, device: str
     out = {"hidden": hidden, "intermediate": intermediate, "values": sum(w.numel() for w in weights),
            "packed_bytes": sum(t.numel() * t.element_size() for p in packed for t in p),
            "ms": {k: Figure.of(v).as_dict() for k, v in ms.items()},
-           "dequant_over_upload": paired_ratio(ms["dequant torch"], ms["upload nf4"]).as_dict()}
+           "dequant_over_upload": paired_ratio(ms["dequant torch"], ms["upload nf4"]).as_dict(),
+           "fused_same_bits": same_bits, "fused_refused": refused,
+           "fused_over_torch": {k: paired_ratio(ms[f"dequant fused {k}"],
+                                                ms["dequant torch"]).as_dict() for k in formats}}
     if theirs is not None:
         same = all(torch.equal(dequantize_torch(q.reshape(-1), st.absmax.float(), "nf4",
                                                 w.shape, torch.bfloat16),
@@ -287,6 +316,14 @@ def format_cuda_layer(d: dict) -> str:
     lines.append(f"| {ms['upload nf4']} | {ms['upload bf16']} | {ms['dequant torch']} | "
                  f"{ms.get('dequant bitsandbytes', '-')} | "
                  f"{Figure.from_dict(d['dequant_over_upload']).text(2, 'x')} |")
+    for kind, same in d.get("fused_same_bits", {}).items():
+        why = d["fused_refused"].get(kind)
+        lines.append(f"fused kernel, {kind} into bf16: "
+                     f"{Figure.from_dict(d['ms'][f'dequant fused {kind}']).text(3)} ms per layer "
+                     f"(target <= 0.3 for nf4), "
+                     f"{Figure.from_dict(d['fused_over_torch'][kind]).text(3, 'x')} the torch "
+                     f"ops' nf4 time; same bits as the torch ops: {same}"
+                     + (f"; REFUSED, torch ops used: {why}" if why else ""))
     if "equals_bitsandbytes" in d:
         lines.append(f"torch ops vs bitsandbytes: "
                      f"{Figure.from_dict(d['torch_over_bitsandbytes']).text(2, 'x')} the time; "
@@ -294,18 +331,75 @@ def format_cuda_layer(d: dict) -> str:
     return "\n".join(lines)
 
 
+#: the configurations ``python -m roundpipe.bench qlora`` trains by default: batch x tokens
+CONFIGS = ("1x512", "4x512")
+
+
+def config_arg(text: str) -> tuple[int, int]:
+    """argparse type: ``BATCHxSEQ`` (e.g. ``1x512``)."""
+    try:
+        batch, seq = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCHxSEQ such as 1x512, got {text!r}") \
+            from None
+    if batch < 1 or seq < 1:
+        raise argparse.ArgumentTypeError(f"expected BATCHxSEQ with both >= 1, got {text!r}")
+    return batch, seq
+
+
+def format_configs(result: dict) -> str:
+    """Each configuration's bases side by side: tokens/s against the bf16 base's, upload bytes
+    per step against their packed floor and against the bf16 base's, and (CUDA) how much of the
+    bf16 base's step its uploads take at the pinned copy bandwidth."""
+    peak = result.get("pinned_peak_gb_s")
+    lines = ["\nLoRA on a quantized base against a bf16 base, per configuration (batch x "
+             "tokens); upload-bound where the bf16 base's weight bytes at the pinned copy "
+             "bandwidth take most of its step",
+             "| config | base | tokens/s | vs bf16 | upload B/step | packed floor B/step | "
+             "upload / floor | upload vs bf16 | bf16 uploads at peak / step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in result["configs"]:
+        bf16 = c["rows"]["bf16"]
+        share = "-"
+        if peak:
+            upload_s = bf16["upload_bytes_per_step"] / (peak * 1e9)
+            share = f"{upload_s / Figure.from_dict(bf16['step_s']).median:.2f}"
+        for name, r in c["rows"].items():
+            lines.append(
+                f"| {c['batch']}x{c['seq']} | {name} | "
+                f"{Figure.from_dict(r['tokens_per_s']).text(0)} | "
+                f"{Figure.from_dict(r['tokens_vs_bf16']).text(2, 'x')} | "
+                f"{int(r['upload_bytes_per_step']):,} | "
+                f"{int(r['weight_floor_bytes_per_step']):,} | "
+                f"{r['upload_vs_floor']:.3f} | {r['upload_vs_bf16']:.3f} | "
+                f"{share if name == 'bf16' else ''} |")
+    if peak:
+        lines.append(f"pinned host-to-device copy peak: {peak:.1f} GB/s")
+    lines.append("targets (issue 34, GPU): nf4 >= 1.3x bf16 where upload-bound (1x512), "
+                 ">= 1.0x at 4x512; upload / floor 1.000")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
-    """``python -m roundpipe.bench.qlora --device cuda:0``: the LoRA rows (bf16 and NF4 base)
-    on that device and one layer's dequantization against its upload (scripts/gpu_check.sh)."""
+    """``python -m roundpipe.bench qlora [--device cuda:0]`` (also ``python -m
+    roundpipe.bench.qlora``): LoRA training on a bf16 and a quantized base for each
+    configuration (batch x tokens: 1 x 512, upload-bound, and 4 x 512 by default) on that
+    device, and on CUDA one layer's dequantization (torch ops and the fused kernels) against
+    its upload (scripts/gpu_check.sh)."""
     from . import repeats_arg
 
-    ap = argparse.ArgumentParser(prog="python -m roundpipe.bench.qlora", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m roundpipe.bench qlora", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--hidden", type=positive_int, default=2048,
                     help="hidden size of the LoRA training model (default 2048)")
     ap.add_argument("--layers", type=positive_int, default=4)
-    ap.add_argument("--seq", type=positive_int, default=512)
+    ap.add_argument("--configs", type=config_arg, nargs="+", default=None,
+                    help="BATCHxSEQ configurations (default: 1x512, upload-bound, and 4x512)")
+    ap.add_argument("--seq", type=positive_int, default=None,
+                    help="tokens per sequence of the default configurations (1xSEQ and 4xSEQ)")
+    ap.add_argument("--bases", nargs="+", choices=sorted(BASES), default=["bf16", "nf4"],
+                    help="frozen bases to train (bf16 is always first; default: bf16 nf4)")
     ap.add_argument("--layer-hidden", type=positive_int, default=4096,
                     help="hidden size of the timed layer (default 4096, Llama-7B's)")
     ap.add_argument("--layer-intermediate", type=positive_int, default=11008)
@@ -314,10 +408,28 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from . import write_json
 
-    result = {"lora": measure_training(args.hidden, args.layers, args.seq, args.repeats,
-                                       args.device, ["bf16", "nf4"])}
-    print(format_table(result["lora"]))
-    if args.device.startswith("cuda"):
+    if args.configs is None:
+        args.configs = [config_arg(c) for c in CONFIGS]
+        if args.seq is not None:
+            args.configs = [(batch, args.seq) for batch, _ in args.configs]
+    elif args.seq is not None:
+        ap.error("give either --configs or --seq")
+    bases = ["bf16"] + [b for b in args.bases if b != "bf16"]
+    cuda = args.device.startswith("cuda")
+    configs = []
+    for batch, seq in args.configs:
+        lora = measure_training(args.hidden, args.layers, seq, args.repeats, args.device,
+                                bases, batch=batch)
+        print(format_table(lora))
+        configs.append({"batch": batch, "seq": seq, "rows": lora["rows"]})
+    result = {"model": {"hidden": args.hidden, "layers": args.layers, "device": args.device},
+              "configs": configs}
+    if cuda:
+        from .pipeline import pinned_copy_peak_gb_s
+
+        result["pinned_peak_gb_s"] = pinned_copy_peak_gb_s(args.device)
+    print(format_configs(result))
+    if cuda:
         result["layer"] = measure_cuda_layer(args.layer_hidden, args.layer_intermediate,
                                              args.repeats, args.device)
         print(format_cuda_layer(result["layer"]))

@@ -58,7 +58,8 @@ def _rows(t: Optional[torch.Tensor], r0: int, r1: int, batch: int):
 
 def cached_forward(model, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                    inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
-                   num_microbatch: Optional[int] = None, **kwargs):
+                   num_microbatch: Optional[int] = None, carry: Optional[dict] = None,
+                   upload_ahead: bool = False, **kwargs):
     """One pass of ``model`` (an :class:`~roundpipe.hf.HFRoundPipe`) as the model's own
     ``forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
     use_cache, logits_to_keep)`` computes it, without autograd; the caller holds the
@@ -70,6 +71,9 @@ def cached_forward(model, input_ids=None, attention_mask=None, position_ids=None
     into the cache's microbatches of rows (fixed by its first pass), each prefilled in chunks
     of its ``prefill_chunk_size``. Without one, the pass is the plain inference pass in
     ``num_microbatch`` microbatches (default 1).
+
+    ``carry`` / ``upload_ahead`` (generate's passes): uploads handed between passes, see
+    :class:`roundpipe.pipeline.stage.PassSpec`.
 
     Returns a transformers ``CausalLMOutputWithPast`` (``MoeCausalLMOutputWithPast`` for MoE
     models): ``logits`` ``(batch, kept positions, vocab)`` on the host in the model dtype,
@@ -127,7 +131,7 @@ def cached_forward(model, input_ids=None, attention_mask=None, position_ids=None
             microbatches.append(((), kw, None))
         last = [True] * n
     else:
-        cache.retired = []
+        cache.start_pass()
         bounds = cache.bind(batch)
         past = cache.get_seq_length()
         step = cache.prefill_chunk_size or seq
@@ -146,13 +150,14 @@ def cached_forward(model, input_ids=None, attention_mask=None, position_ids=None
                     kw["attention_mask"] = _rows(attention_mask, r0, r1, batch)[:, :past + e]
                 microbatches.append(((), kw, None))
                 last.append(final)
-    spec = PassSpec(microbatches, False, call_seed=0, autocast=AutocastState.capture())
+    spec = PassSpec(microbatches, False, call_seed=0, autocast=AutocastState.capture(),
+                    carry=carry, upload_ahead=upload_ahead)
     try:
         run = model._run_pass(spec)
     finally:
         spec.store.clear()
         if cache is not None:
-            cache.retired = []
+            cache.end_pass()
     outs = [run.acts[-1][m].get(None)[0] for m in range(len(microbatches))]
     logits = torch.cat([o for o, final in zip(outs, last) if final], dim=0)
     return _output(model, logits, labels, cache)
@@ -172,17 +177,33 @@ def _output(model, logits: torch.Tensor, labels, cache):
     return cls(**out)
 
 
-def _forward_for(model):
+def _cache_kwarg() -> str:
+    """The keyword transformers' ``generate`` keeps its cache under: ``"cache"`` where its
+    ``ALL_CACHE_NAMES`` starts with it (the rename of 5.24), else ``"past_key_values"``
+    (5.9 - 5.23). Given the other name, ``generate`` would make a ``DynamicCache`` of its own
+    and pass that to the forward instead."""
+    from transformers.generation import utils
+
+    names = getattr(utils, "ALL_CACHE_NAMES", None) or ["past_key_values"]
+    return names[0]
+
+
+def _forward_for(model, carry: dict, calls: Optional[int]):
     """The function ``generate`` puts in place of the wrapped transformers model's forward:
     the signature transformers inspects (``attention_mask``, ``position_ids``,
-    ``logits_to_keep``, ``cache``) and :func:`cached_forward` behind it."""
+    ``logits_to_keep``, ``cache``) and :func:`cached_forward` behind it. Each pass but the
+    last of the ``calls`` expected (None: unknown) uploads the first stage of the next one as
+    it ends (``carry``), so that copy overlaps transformers' choice of the next tokens."""
+    done = [0]
 
     def forward(input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         if "past_key_values" in kwargs:
             cache = kwargs.pop("past_key_values")
+        done[0] += 1
         out = cached_forward(model, input_ids, attention_mask, position_ids, cache,
-                             inputs_embeds, labels, use_cache, logits_to_keep, **kwargs)
+                             inputs_embeds, labels, use_cache, logits_to_keep, carry=carry,
+                             upload_ahead=calls is None or done[0] < calls, **kwargs)
         model._stats.add("generate_steps", 1)  # one new token for every row
         model._stats.add("generated_tokens", out.logits.shape[0])
         return out
@@ -292,15 +313,18 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
         elif cache is not None:
             cache.prefill_chunk_size = chunk
         if cache is not None:
-            kwargs["cache"] = cache
+            kwargs[_cache_kwarg()] = cache
         modes = [(m, m.training) for m in model.module.modules()]
         previous = hf.__dict__.get("forward")
-        hf.forward = _forward_for(model)
+        carry: dict = {}  # the next pass's first uploads; dropped at the end
+        hf.forward = _forward_for(model, carry,
+                                  new_tokens if isinstance(new_tokens, int) else None)
         try:
             model.module.eval()
             target = model.peft_model if model.peft_model is not None else hf
             return target.generate(inputs, generation_config=generation_config, **kwargs)
         finally:
+            carry.clear()
             if previous is None:
                 del hf.forward
             else:

@@ -29,6 +29,7 @@ counts exactly that from the lengths.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -44,16 +45,20 @@ KV_CACHE_MODES = ("host", "device")
 
 
 class _Part:
-    """One microbatch's rows of one layer: the buffer, the positions written, and the event of
-    the last download into it (CUDA; None when done)."""
+    """One microbatch's rows of one layer: the buffer, the positions written, the event of the
+    last download into it (CUDA; None when done), the pass it was last updated in, and the
+    upload of its attended positions made ahead by the layer before (see
+    :meth:`LayerView.update`): ``(buffer, start, length, device tensor, event, io)`` or None."""
 
-    __slots__ = ("buf", "length", "pending", "keep")
+    __slots__ = ("buf", "length", "pending", "keep", "updated_in", "ahead")
 
     def __init__(self) -> None:
         self.buf: Optional[torch.Tensor] = None
         self.length = 0
         self.pending: Any = None
         self.keep: list = []
+        self.updated_in = -1
+        self.ahead: Optional[tuple] = None
 
 
 class PipelineLayer(CacheLayerMixin):
@@ -68,6 +73,7 @@ class PipelineLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.parts: list[_Part] = []
+        self.io: Any = None  # weakref to the device I/O this layer ran on in the last pass
 
     # --- what transformers asks a cache layer --------------------------------------------
 
@@ -89,6 +95,8 @@ class PipelineLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1 if self.sliding_window is None else self.sliding_window
+
+    get_max_cache_shape = get_max_length  # its name before transformers 5.13
 
     def reset(self) -> None:
         self.parts = []
@@ -164,10 +172,24 @@ class PipelineCache(Cache):
         self.capacity_hint = int(capacity_hint)
         self.rows: Optional[list[tuple[int, int]]] = None
         self.retired: list = []  # buffers replaced in this pass (copies may still read them)
+        self.passes = 0  # passes started
 
     @property
     def on_device(self) -> bool:
         return self.kv_cache == "device"
+
+    def start_pass(self) -> None:
+        """A pass of the pipeline starts reading and extending the cache."""
+        self.passes += 1
+        self.retired = []
+
+    def end_pass(self) -> None:
+        """The pass is over (done or failed): buffers it replaced and uploads made ahead that
+        no layer took are released."""
+        self.retired = []
+        for layer in self.layers:
+            for part in layer.parts:
+                part.ahead = None
 
     def bind(self, batch: int) -> list[tuple[int, int]]:
         """The row ranges of the microbatches for a pass over ``batch`` rows (fixed by the
@@ -215,7 +237,7 @@ class MicrobatchKV:
         self.part = part
 
     def view(self, layer_idx: int) -> "LayerView":
-        return LayerView(self.cache, self.cache.layers[layer_idx], self.part)
+        return LayerView(self.cache, self.cache.layers[layer_idx], self.part, layer_idx)
 
 
 class LayerView:
@@ -227,8 +249,10 @@ class LayerView:
 
     is_compileable = False
 
-    def __init__(self, cache: PipelineCache, layer: PipelineLayer, part: int) -> None:
+    def __init__(self, cache: PipelineCache, layer: PipelineLayer, part: int,
+                 index: int = 0) -> None:
         self.cache, self.layer, self.part = cache, layer, layer.parts[part]
+        self.part_index, self.index = part, index
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.part.length
@@ -249,11 +273,22 @@ class LayerView:
         rows, heads, n, dim = key_states.shape
         length = part.length
         start = attended_start(length, window)
+        first = part.updated_in != self.cache.passes  # the part's first chunk in this pass
+        part.updated_in = self.cache.passes
+        ahead, part.ahead = part.ahead, None
+        # uploaded ahead from this buffer (before _reserve may move its positions to a bigger one)
+        took = (ahead is not None and ahead[0] is part.buf and ahead[1:3] == (start, length)
+                and ahead[5] is io)
         self._reserve(length + n, (2, rows, heads, dim), key_states, io)
         new = torch.stack([key_states, value_states]).permute(3, 0, 1, 2, 4).contiguous()
         if length > start:
             past = part.buf[start:length]
-            if not self.cache.on_device:
+            if self.cache.on_device:
+                pass
+            elif took:
+                io.kv_ready(ahead[4])
+                past = ahead[3]
+            else:
                 past = io.kv_to_device(past, part.pending)
             past = past.permute(1, 2, 3, 0, 4)  # (2, rows, heads, t, dim), a view
             # cat makes the contiguous (rows, heads, t + n, dim) transformers' cat makes
@@ -271,7 +306,27 @@ class LayerView:
             per_position = new[0].numel() * new.element_size()
             io.stats.add("kv_floor_bytes", (length - start + n) * per_position)
         part.length = length + n
+        if first and not self.cache.on_device:
+            self._upload_next_ahead(io)
+        self.layer.io = weakref.ref(io)
         return keys, values
+
+    def _upload_next_ahead(self, io) -> None:
+        """Uploads, on the copy stream, the positions the next decoder layer's part will attend
+        to in this pass, if it ran on this device in the last pass and has not run in this
+        one: its upload then overlaps this layer's compute instead of delaying the next's.
+        Only the positions cached before the pass (what its first chunk reads)."""
+        layers = self.cache.layers
+        i = self.index + 1
+        if i >= len(layers) or layers[i].io is None or layers[i].io() is not io:
+            return
+        nxt = layers[i].parts[self.part_index]
+        if nxt.buf is None or nxt.updated_in == self.cache.passes:
+            return
+        start = attended_start(nxt.length, layers[i].sliding_window)
+        if nxt.length > start:
+            dev, event = io.kv_prefetch(nxt.buf[start:nxt.length], nxt.pending)
+            nxt.ahead = (nxt.buf, start, nxt.length, dev, event, io)
 
     def _reserve(self, needed: int, shape: tuple, like: torch.Tensor, io) -> None:
         """Makes the part's buffer hold ``needed`` positions (allocated, or doubled with the

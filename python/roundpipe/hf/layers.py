@@ -159,8 +159,10 @@ class Decoder(nn.Module):
 
 class Postfix(nn.Module):
     """Last layer: final norm, then either the logits (no labels in the state: ``(B, S, V)``, as
-    HF's ``logits``) or the summed cross-entropy of the microbatch computed in chunks of
-    ``chunk_size`` tokens without the logits (fp32, 0-dim; see :mod:`.loss`)."""
+    HF's ``logits``) or, computed in chunks of ``chunk_size`` tokens without the logits (see
+    :mod:`.loss`), the microbatch's sums as a dict: ``loss`` the summed cross-entropy (fp32,
+    0-dim, differentiable), ``top1`` the scored tokens whose target is the top-1 logit (int64)
+    and ``entropy`` their summed entropy (fp32), both 0-dim without gradient."""
 
     def __init__(self, norm: nn.Module, lm_head: nn.Linear, chunk_size: int) -> None:
         super().__init__()
@@ -175,12 +177,25 @@ class Postfix(nn.Module):
             if keep is None:  # a prefill chunk whose logits nobody reads
                 return None
             if not (isinstance(keep, int) and keep == 0):
-                from transformers.modeling_utils import slice_logits_to_keep
-
-                hidden = slice_logits_to_keep(hidden, keep)
+                hidden = _keep_positions(hidden, keep)
             return self.lm_head(hidden)
-        return chunked_cross_entropy_sum(hidden, self.lm_head.weight, self.lm_head.bias,
-                                         state["labels"], self.chunk_size)
+        loss, top1, entropy = chunked_cross_entropy_sum(
+            hidden, self.lm_head.weight, self.lm_head.bias, state["labels"], self.chunk_size,
+            with_stats=True)
+        return {"loss": loss, "top1": top1, "entropy": entropy}
+
+
+def _keep_positions(hidden: torch.Tensor, keep) -> torch.Tensor:
+    """The positions of ``hidden`` (B, S, H) whose logits the model's forward computes for
+    ``logits_to_keep``: transformers' ``slice_logits_to_keep`` where it has one (5.2x: 2D
+    position and mask tensors too), else what its models did before it (an int keeps the last
+    ``keep`` positions, a tensor indexes the positions)."""
+    from transformers import modeling_utils
+
+    slicer = getattr(modeling_utils, "slice_logits_to_keep", None)
+    if slicer is not None:
+        return slicer(hidden, keep)
+    return hidden[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
 
 
 class RoutingState:

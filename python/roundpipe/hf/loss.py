@@ -12,16 +12,44 @@ softmax cross-entropy, ``d loss / d logits = softmax(logits) - one_hot(target)``
 tokens); it is computed in the forward pass, chunk by chunk, right after the chunk's logits
 (the approach of Liger-Kernel's fused linear cross-entropy), so the logits are never recomputed;
 the weight gradient is accumulated over the chunks in fp32 and cast to the weight's dtype once.
+
+The same pass can count, without a second read of the logits, what TRL's ``SFTTrainer`` logs
+as ``mean_token_accuracy`` and ``entropy`` (``trl.trainer.utils.add_fused_lm_head``): the scored
+tokens whose target is the logits' top-1 (the first maximum, as ``argmax``) and the entropy of
+each scored token's next-token distribution, ``logsumexp(z) - sum_v softmax(z)_v z_v`` in fp32
+(:func:`chunked_cross_entropy_sum` with ``with_stats=True``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """What the built-in loss counted over a call's scored tokens (the labels other than -100,
+    after HF's shift), as TRL's ``SFTTrainer`` counts them for its logs: ``tokens`` scored,
+    ``top1`` of them whose target was the top-1 logit, ``entropy`` the sum of their next-token
+    distributions' entropies in nats. ``mean_token_accuracy = top1 / tokens`` and
+    ``entropy / tokens`` are TRL's metrics (0 when ``tokens`` is 0, as TRL logs them)."""
+
+    tokens: int
+    top1: int
+    entropy: float
+
+    @property
+    def mean_token_accuracy(self) -> float:
+        return self.top1 / self.tokens if self.tokens else 0.0
+
+    @property
+    def mean_entropy(self) -> float:
+        return self.entropy / self.tokens if self.tokens else 0.0
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -36,13 +64,29 @@ def count_items(labels: torch.Tensor) -> torch.Tensor:
     return (shift_labels(labels) != IGNORE_INDEX).sum()
 
 
+def token_stats(logits: torch.Tensor, labels: torch.Tensor) -> TokenStats:
+    """:class:`TokenStats` of full logits ``(B, S, V)`` against unshifted ``labels`` ``(B, S)``
+    (HF's shift, -100 ignored), in fp32: what the chunked loss counts, for a pass that has
+    the logits anyway."""
+    targets = shift_labels(labels.to(logits.device))
+    valid = targets != IGNORE_INDEX
+    z = logits.float()
+    log_p = torch.log_softmax(z, dim=-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    hits = valid & (z.argmax(dim=-1) == targets)
+    return TokenStats(int(valid.sum()), int(hits.sum()), float(entropy[valid].sum()))
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum over tokens of CE(hidden @ weight.T + bias, target), gradients computed in forward."""
+    """sum over tokens of CE(hidden @ weight.T + bias, target), gradients computed in forward;
+    also the scored tokens' top-1 hits (int64) and summed entropy (fp32), without gradient."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        hits = torch.zeros((), dtype=torch.int64, device=hidden.device)
+        entropy = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
@@ -56,9 +100,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
             total += torch.where(valid, lse - picked, 0.0).sum()
+            hits += (valid & (logits.argmax(dim=-1) == y)).sum()
+            g = torch.softmax(logits, dim=-1)
+            # sum_v p_v z_v, row by row, without a (chunk x V) product
+            expected = torch.bmm(g.unsqueeze(1), logits.unsqueeze(2)).reshape(-1)
+            entropy += torch.where(valid, lse - expected, 0.0).sum()
+            del logits
             if need_h or need_w or need_b:
-                g = torch.softmax(logits, dim=-1)       # logits' memory reused for the gradient
-                del logits
                 g.scatter_add_(1, safe.unsqueeze(1), torch.full_like(picked, -1.0).unsqueeze(1))
                 g.mul_(valid.unsqueeze(1))
                 if need_h:
@@ -69,10 +117,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_b += g.sum(0)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return total
+        ctx.mark_non_differentiable(hits, entropy)
+        return total, hits, entropy
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_total, _grad_hits=None, _grad_entropy=None):
         grad_h, grad_w, grad_b = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
         out_h = out_w = out_b = None
@@ -87,7 +136,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor,
                               bias: Optional[torch.Tensor], targets: torch.Tensor,
-                              chunk_size: int) -> torch.Tensor:
+                              chunk_size: int, with_stats: bool = False):
     """``sum_t CE(hidden[t] @ weight.T + bias, targets[t])`` over the tokens whose target is not
     -100, in chunks of ``chunk_size`` tokens.
 
@@ -100,10 +149,15 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor,
             for tokens not scored.
         chunk_size: tokens per chunk (>= 1); at most ``chunk_size x V`` fp32 logits, and as
             many for their gradient, exist at a time.
+        with_stats: also return the top-1 hits and the summed entropy (see the module
+            docstring).
 
     Returns:
         The summed loss, fp32, 0-dim. Divide by the number of scored tokens for HF's mean.
-        Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``.
+        Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``. With ``with_stats``:
+        ``(loss, hits, entropy)``, ``hits`` the scored tokens whose target is the top-1 logit
+        (int64, 0-dim), ``entropy`` the summed entropy of their distributions in nats (fp32,
+        0-dim), both without gradient, on ``hidden``'s device.
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
@@ -111,4 +165,5 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor,
     y = targets.reshape(-1).to(device=h.device, dtype=torch.long)
     if y.shape[0] != h.shape[0]:
         raise ValueError(f"targets has {y.shape[0]} tokens, hidden {h.shape[0]}")
-    return _ChunkedLinearCrossEntropy.apply(h, weight, bias, y, chunk_size)
+    loss, hits, entropy = _ChunkedLinearCrossEntropy.apply(h, weight, bias, y, chunk_size)
+    return (loss, hits, entropy) if with_stats else loss

@@ -12,7 +12,8 @@ from ..quant import refuse_foreign_quantization
 from ..wrapper import RoundPipe
 from . import moe, save
 from .layers import Decoder, Postfix, Prefix, RoutingState
-from .loss import count_items
+from .loss import TokenStats, count_items
+from .packed import packed_starts, split_packed
 from .parts import Parts, check_logits, disable_gradient_checkpointing
 
 # keyword arguments of HF's ForCausalLM.forward that the wrapper honours
@@ -51,9 +52,8 @@ class HFRoundPipe(RoundPipe):
                    for i, (layer, fn) in enumerate(zip(parts.layers, parts.mask_fns))]
         layers.append(Postfix(parts.norm, parts.lm_head, loss_chunk_size))
         check_logits(hf, parts, layers)
-        if routing is not None and routing.coef is not None:
-            _check_last_stage(len(layers), roundpipe_kwargs.get("layers_per_stage", 1),
-                              [i + 1 for i in moe_layers])
+        if roundpipe_kwargs.get("split_fn") is None:  # packed rows cut at sequence starts
+            roundpipe_kwargs["split_fn"] = split_packed
         super().__init__(model, optim_dtype, layers=layers, **roundpipe_kwargs)
         disable_gradient_checkpointing(model)
         for modules in routers.values():
@@ -63,6 +63,21 @@ class HFRoundPipe(RoundPipe):
         self.peft_model = peft
         self.loss_chunk_size = loss_chunk_size
         self._routing = routing
+
+    def _last_stage_fence(self, layers: list[nn.Module]) -> tuple[int, str]:
+        """With the router auxiliary loss on, no MoE decoder layer may be in the last stage:
+        the loss needs the whole forward pass's routing before its backward (see
+        :mod:`roundpipe.hf.moe`)."""
+        moe_layers = [i for i, layer in enumerate(layers)
+                      if isinstance(layer, Decoder) and layer.routing is not None
+                      and layer.routing.coef is not None]
+        if not moe_layers:
+            return 0, ""
+        return max(moe_layers) + 1, (
+            f"layer {max(moe_layers)} is a MoE layer, and its router auxiliary loss needs the "
+            "whole forward pass before its backward, so the last stage must hold only the "
+            "layers after it (the postfix); choose a plan whose last stage starts there (e.g. "
+            "layers_per_stage=1, or 'auto')")
 
     def __getattr__(self, name: str) -> Any:
         """Attributes not of the wrapper come from the wrapped model (``config``,
@@ -94,6 +109,10 @@ class HFRoundPipe(RoundPipe):
         (HF's ``loss_function`` on the merged logits; for MoE with
         ``config.output_router_logits``, plus ``router_aux_loss_coef * aux_loss``).
 
+        A padding-free (packed) batch, one row of sequences whose ``position_ids`` restart at
+        each (no ``attention_mask``; see :mod:`roundpipe.hf.packed`), keeps attention within
+        each sequence, as transformers does without a cache, and runs as one microbatch.
+
         Accepted keyword arguments: ``position_ids``, ``inputs_embeds``, ``labels``,
         ``num_items_in_batch``, ``use_cache``, ``cache`` (or ``past_key_values``),
         ``logits_to_keep``, ``return_dict`` (ignored: an output object is always returned),
@@ -124,6 +143,10 @@ class HFRoundPipe(RoundPipe):
         num_items = kwargs.pop("num_items_in_batch", None)
         inputs = _inputs(input_ids, attention_mask, kwargs, "forward")
         stats = self._begin_routing()
+        if packed_starts(inputs):
+            # a packed row's logits are (1, N, V): one microbatch (pieces of the row would be
+            # merged along the batch dimension); forward_backward cuts it at sequence starts
+            num_microbatch = 1
         logits = super().forward(num_microbatch=num_microbatch, **inputs)
         from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
@@ -162,7 +185,10 @@ class HFRoundPipe(RoundPipe):
         plus, for a MoE model with ``config.output_router_logits``,
         ``router_aux_loss_coef`` times HF's load-balancing loss of the whole batch (see
         :mod:`roundpipe.hf.moe`). The cross-entropy is computed in chunks of
-        ``loss_chunk_size`` tokens, never materialising the logits.
+        ``loss_chunk_size`` tokens, never materialising the logits; the same chunks count
+        :meth:`last_token_stats`. A padding-free (packed) batch, one row whose
+        ``position_ids`` restart at each sequence, is cut into microbatches at sequence
+        starts (:mod:`roundpipe.hf.packed`, the default ``split_fn``).
 
         With ``loss_fn``: as :class:`~roundpipe.RoundPipe`, ``loss_fn`` receiving the logits
         ``(b, S, V)`` of each microbatch (and its ``label``), weighted by ``loss_reduction``
@@ -170,9 +196,17 @@ class HFRoundPipe(RoundPipe):
 
         Raises:
             TypeError: no ``loss_fn`` and no ``labels``; ``input_args`` without ``loss_fn``
-                (pass keyword arguments); an unsupported keyword argument;
+                (pass keyword arguments), or a tensor as ``input_args``
+                (``forward_backward(ids)``); an unsupported keyword argument;
                 ``return_outputs=True`` without ``loss_fn``.
         """
+        if isinstance(input_args, torch.Tensor):
+            # forward_backward(ids): `if input_args` would be torch's "Boolean value of Tensor
+            # ... is ambiguous"; say what to write instead
+            raise TypeError("RoundPipe.forward_backward: got a tensor as its first positional "
+                            "argument (input_args); pass the model inputs by keyword: "
+                            "forward_backward(input_kwargs={'input_ids': ids, 'labels': ids}) for "
+                            "HF's loss, or input_args=(ids,) with a loss_fn")
         kwargs = dict(input_kwargs or {})
         if loss_fn is not None:
             if "labels" in kwargs:
@@ -202,16 +236,33 @@ class HFRoundPipe(RoundPipe):
         inputs = _inputs(kwargs.pop("input_ids", None), kwargs.pop("attention_mask", None),
                          kwargs, "forward_backward")
         inputs["labels"] = labels
+        scored = count_items(labels)
         if num_items is None:
-            num_items = count_items(labels)
-        denominator = float(num_items)
+            num_items = scored
+        mean = _token_mean(float(num_items))
+        sums: list = []  # each microbatch's (top-1 hits, entropy), on its device
+
+        def loss_fn(out: dict) -> torch.Tensor:
+            sums.append((out["top1"], out["entropy"]))
+            return mean(out["loss"])
+
+        self._loss_stats = None
         stats = self._begin_routing()
-        loss = super().forward_backward((), inputs, None, _token_mean(denominator),
-                                        False, num_microbatch, optimizer, loss_reduction="sum",
-                                        **step_kwargs)
+        loss = super().forward_backward((), inputs, None, loss_fn, False, num_microbatch,
+                                        optimizer, loss_reduction="sum", **step_kwargs)
+        self._loss_stats = TokenStats(int(scored), sum(int(h) for h, _ in sums),
+                                      sum(float(e) for _, e in sums))
         if stats is not None:
             loss = loss + self._routing.coef * stats.aux_loss()
         return loss
+
+    def last_token_stats(self) -> Optional[TokenStats]:
+        """What the last :meth:`forward_backward` with the built-in loss counted over its
+        scored tokens (:class:`roundpipe.hf.loss.TokenStats`: their number, how many had the
+        top-1 logit as target, their summed entropy: TRL's ``mean_token_accuracy`` and
+        ``entropy``), from the logits the loss computed anyway, chunk by chunk; None before
+        the first such call, or when it failed."""
+        return self.__dict__.get("_loss_stats")
 
     # --- generation --------------------------------------------------------------------------
 
@@ -320,17 +371,3 @@ def _find_moe(hf: nn.Module, parts: Parts):
             if getattr(config, "output_router_logits", False) else None)
     num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts")
     return RoutingState(int(num_experts), coef), routers
-
-
-def _check_last_stage(num_layers: int, layers_per_stage: Any, moe_layers: list) -> None:
-    """With the auxiliary loss, no MoE layer may be in the last stage (see roundpipe.hf.moe)."""
-    if not isinstance(layers_per_stage, int) or layers_per_stage < 1:
-        return  # RoundPipe reports it
-    last_start = (num_layers - 1) // layers_per_stage * layers_per_stage
-    if any(i >= last_start for i in moe_layers):
-        raise ValueError(
-            f"wrap_model_to_roundpipe: with layers_per_stage={layers_per_stage} the last stage "
-            f"(layers {last_start}..{num_layers - 1}, the postfix included) holds a MoE layer; "
-            "its router auxiliary loss needs the whole forward pass before its backward. Choose "
-            f"layers_per_stage so that (number of layers {num_layers} - 1) is a multiple of it, "
-            "e.g. 1")

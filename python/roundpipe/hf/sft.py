@@ -4,20 +4,23 @@ Everything of :class:`roundpipe.hf.trainer.RoundPipeTrainerMixin`, plus TRL's pa
 datasets (plain text, prompt/completion, chat ``messages`` through the tokenizer's template),
 ``completion_only_loss`` / ``assistant_only_loss`` (TRL's collator sets the labels of the
 tokens not scored to -100, which the pipeline's loss ignores), ``peft_config=`` (TRL applies it,
-then the trainer wraps the ``PeftModel``) and the ``num_tokens`` metric. ``mean_token_accuracy``
-and ``entropy`` need every token's full distribution, which the chunked loss does not keep:
-they are left out of the logs, with a one-time warning.
+then the trainer wraps the ``PeftModel``), its metrics ``num_tokens``, ``mean_token_accuracy``
+and ``entropy`` (the last two counted by the chunked loss from the logits it computes anyway,
+see :mod:`roundpipe.hf.loss`; in training and evaluation, as TRL logs them), ``packing`` and
+``padding_free`` (one packed row per batch, cut into microbatches at sequence starts, see
+:mod:`roundpipe.hf.packed`; attention stays within each sequence through ``position_ids``).
 
 SFTConfig defaults that conflict with RoundPipe: ``gradient_checkpointing=True`` is switched
 off with a warning (RoundPipe recomputes already); ``bf16=True`` (SFTConfig's default) makes
-the model copy bf16 with fp32 optimizer copies, without autocast; ``packing`` /
-``padding_free`` and ``loss_type="dft"`` are refused with a ``ValueError``.
+the model copy bf16 with fp32 optimizer copies, without autocast; ``loss_type="dft"`` is
+refused with a ``ValueError``.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
+
+import torch
 
 try:
     from trl import SFTTrainer
@@ -40,8 +43,7 @@ class RoundPipeSFTTrainer(RoundPipeTrainerMixin, SFTTrainer, _WrapModel):
                                       roundpipe_kwargs={"num_microbatch": 2})
 
     Raises:
-        ValueError: ``packing`` / ``padding_free`` (packed rows need attention kept within each
-            sequence, not supported yet), ``loss_type`` other than ``"nll"``, and everything
+        ValueError: ``loss_type`` other than ``"nll"``, and everything
             :class:`roundpipe.hf.RoundPipeTrainer` refuses.
     """
 
@@ -50,33 +52,38 @@ class RoundPipeSFTTrainer(RoundPipeTrainerMixin, SFTTrainer, _WrapModel):
     def __init__(self, *pos: Any, **kwargs: Any) -> None:
         args = kwargs.get("args", pos[1] if len(pos) > 1 else None)
         if args is not None:
-            for name in ("packing", "padding_free"):
-                if getattr(args, name, False):
-                    raise ValueError(f"RoundPipeSFTTrainer: {name}=True is not supported (packed "
-                                     "rows need attention kept within each sequence); pad the "
-                                     "batches instead (the default)")
             if getattr(args, "loss_type", "nll") != "nll":
                 raise ValueError(f"RoundPipeSFTTrainer: loss_type={args.loss_type!r} is not "
                                  "supported; the pipeline computes the token-mean NLL ('nll')")
         super().__init__(*pos, **kwargs)
 
     def training_step(self, model, inputs: dict, num_items_in_batch=None):
-        """RoundPipe's training step plus TRL's ``num_tokens`` count."""
+        """RoundPipe's training step plus TRL's ``num_tokens``, ``mean_token_accuracy`` and
+        ``entropy``."""
         self._count_tokens(inputs)
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._log_token_stats("train", self.model.last_token_stats())
+        return loss
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
-        """RoundPipe's evaluation step; ``num_tokens`` as TRL logs it in evaluation."""
+        """RoundPipe's evaluation step; ``num_tokens``, ``mean_token_accuracy`` and ``entropy``
+        as TRL logs them in evaluation."""
         self._metrics["eval"]["num_tokens"] = [self._total_train_tokens]
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
+    def _rp_eval_stats(self, stats) -> None:
+        self._log_token_stats("eval", stats)
+
+    def _log_token_stats(self, mode: str, stats) -> None:
+        """TRL's ``entropy`` and ``mean_token_accuracy`` of a batch (``SFTTrainer.compute_loss``:
+        sums over every rank's scored tokens, divided by their count; 0 without one)."""
+        device = self.args.device
+        n, hits, entropy = (self.accelerator.gather_for_metrics(torch.tensor(v, device=device))
+                            .sum() for v in (stats.tokens, stats.top1, stats.entropy))
+        self._metrics[mode]["entropy"].append((entropy / n).item() if n > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append((hits / n).item() if n > 0 else 0.0)
+
     def _count_tokens(self, inputs: dict) -> None:
-        if not self._rp_metric_warned:
-            self._rp_metric_warned = True
-            warnings.warn("RoundPipeSFTTrainer: mean_token_accuracy and entropy are not logged "
-                          "(they need every token's full distribution, which RoundPipe's chunked "
-                          "loss does not keep); loss, grad_norm, learning_rate, epoch and "
-                          "num_tokens are", UserWarning, stacklevel=3)
         if "attention_mask" in inputs:
             local = inputs["attention_mask"].sum()
         else:

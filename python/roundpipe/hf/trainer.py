@@ -42,12 +42,15 @@ from ..grad_scaler import GradScaler
 from ..torch_private import init_hook_registries
 from ..wrapper import RoundPipe
 from . import trainer_loss
-from .loss import count_items
+from .loss import TokenStats, count_items, token_stats
 
 STEP_MODES = ("sync", "exact", "async")
 STATE_DIR = "roundpipe_state"  # inside a Trainer checkpoint folder: roundpipe.save_checkpoint's
 _SCHEDULER_NAME = "scheduler.pt"
 _INPUT_KEYS = trainer_loss.MODEL_KEYS + ("labels",)
+# what a padding-free collator (TRL's) adds for varlen kernels: the sequence boundaries that
+# position_ids already give (transformers' mask functions, roundpipe.hf.packed read them there)
+_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 # TrainingArguments.optim values and the roundpipe.optim class they become
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_npu_fused",
@@ -70,6 +73,13 @@ _REFUSED = (
     ("label_smoothing_factor", "label smoothing needs the full logits; RoundPipe's loss is "
                                "HF's causal-LM cross-entropy computed in chunks"),
 )
+
+
+def _roundpipe_class(cls: type) -> str:
+    """The name of the first of ``cls``'s classes defined by RoundPipe (RoundPipeTrainer,
+    RoundPipeSFTTrainer), for messages: what the user constructed, or what it derives from."""
+    return next((c.__name__ for c in cls.__mro__ if c.__module__.startswith("roundpipe.")
+                 and not c.__name__.startswith("_")), cls.__name__)
 
 
 def _set(value: Any) -> bool:
@@ -116,7 +126,12 @@ class StepProxy(torch.optim.Optimizer):
         return self.real.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        """The real optimizer's ``load_state_dict``; torch's replaces its ``param_groups`` and
+        ``state`` objects, which the proxy then shares again (an LR scheduler stepping the
+        proxy's groups would otherwise no longer reach the real optimizer)."""
         self.real.load_state_dict(state_dict)
+        self.param_groups = self.real.param_groups
+        self.state = self.real.state
 
     def __repr__(self) -> str:
         return f"StepProxy({self.real!r})"
@@ -186,7 +201,6 @@ class RoundPipeTrainerMixin:
         self._rp_mode = mode
         self._rp_scaler: Optional[GradScaler] = None
         self._rp_norm: Optional[torch.Tensor] = None
-        self._rp_metric_warned = False
         self._rp_loss: Optional[str] = None  # a loss of the trainer's own (_check_after_init)
         super().__init__(*pos, **kwargs)
         if self.args.fp16:
@@ -195,8 +209,8 @@ class RoundPipeTrainerMixin:
 
     # --- arguments -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_arguments(args: Any) -> None:
+    @classmethod
+    def _check_arguments(cls, args: Any) -> None:
         """Refuses (ValueError naming the argument) what cannot combine with RoundPipe; warns
         and switches off what RoundPipe already does. Runs before the model is wrapped."""
         for name, reason in _REFUSED:
@@ -215,8 +229,8 @@ class RoundPipeTrainerMixin:
         on = [n for n in ("activation_checkpointing", "gradient_checkpointing")
               if getattr(args, n, None)]
         if on:
-            warnings.warn(f"RoundPipeTrainer: {'/'.join(on)}=True is switched off: RoundPipe "
-                          "already recomputes every layer in the backward pass (HF's "
+            warnings.warn(f"{_roundpipe_class(cls)}: {'/'.join(on)}=True is switched off: "
+                          "RoundPipe already recomputes every layer in the backward pass (HF's "
                           "checkpointing would recompute a second time)", UserWarning, stacklevel=4)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # the deprecated alias
@@ -314,11 +328,9 @@ class RoundPipeTrainerMixin:
                             "trainer.model.optim_parameters() (or optim_named_parameters()), or "
                             "let the trainer build it from TrainingArguments.optim")
         else:
-            decay = set(self.get_decay_parameter_names(rp.module))
-            named = [(n, p) for n, p in rp.optim_named_parameters() if p.requires_grad]
-            groups = [{"params": [p for n, p in named if n in decay],
-                       "weight_decay": self.args.weight_decay},
-                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            decay, no_decay = self._rp_param_groups()
+            groups = [{"params": decay, "weight_decay": self.args.weight_decay},
+                      {"params": no_decay, "weight_decay": 0.0}]
             if self.optimizer_cls_and_kwargs is not None:
                 cls, kwargs = self.optimizer_cls_and_kwargs
             else:
@@ -331,6 +343,17 @@ class RoundPipeTrainerMixin:
             real = cls(groups, **kwargs)
         self.optimizer = StepProxy(real, self)
         return self.optimizer
+
+    def _rp_param_groups(self) -> list[list[torch.Tensor]]:
+        """The optimizer copies of Trainer's two param groups (decay, no decay: Trainer's
+        ``get_decay_parameter_names`` on the HF model's names), or the groups of an optimizer
+        given as ``optimizers=``."""
+        if self.optimizer is not None:
+            real = getattr(self.optimizer, "real", self.optimizer)
+            return [list(g["params"]) for g in real.param_groups]
+        decay = set(self.get_decay_parameter_names(self.model.module))
+        named = [(n, p) for n, p in self.model.optim_named_parameters() if p.requires_grad]
+        return [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
 
     def _clip_grad_norm(self, model) -> torch.Tensor:
         """Clipping happens inside RoundPipe's step; returns the tensor that receives its
@@ -388,8 +411,12 @@ class RoundPipeTrainerMixin:
         """The batch's tensors for the pipeline (on the host, HF's keyword names)."""
         out = {}
         for k, v in inputs.items():
-            if k not in _INPUT_KEYS and not self._rp_loss:  # a loss of its own may read them
-                if v is None or k in ("use_cache", "return_dict"):
+            if k not in _INPUT_KEYS:
+                if v is None or k in ("use_cache", "return_dict") or (
+                        k in _BOUNDARY_KEYS and inputs.get("position_ids") is not None):
+                    continue
+                if self._rp_loss:  # extra columns: a loss of the trainer's own may read them
+                    out[k] = v.cpu() if isinstance(v, torch.Tensor) else v
                     continue
                 raise TypeError(f"RoundPipeTrainer.{where}: the batch holds {k!r}, which the "
                                 "RoundPipe HF model does not take (it takes "
@@ -471,8 +498,10 @@ class RoundPipeTrainerMixin:
             return (loss, None, None) if prediction_loss_only else (loss, logits, labels)
         if prediction_loss_only and getattr(rp, "_routing", None) is None:
             with torch.no_grad():
-                sums = RoundPipe.forward(rp, **batch)
-            total = sums.sum() if sums.dim() else sums
+                sums = RoundPipe.forward(rp, **batch)    # each microbatch's Postfix sums
+            total = sums["loss"].sum()
+            self._rp_eval_stats(TokenStats(int(count_items(labels)), int(sums["top1"].sum()),
+                                           float(sums["entropy"].sum())))
             denom = float(num) if num is not None else float(count_items(labels))
             loss = total.float() / denom
             logits = None
@@ -482,12 +511,18 @@ class RoundPipeTrainerMixin:
             with torch.no_grad():
                 out = rp(**batch, **kw)
             loss, logits = out.loss, out.logits
+            self._rp_eval_stats(token_stats(logits, labels))
         if self.args.average_tokens_across_devices and num is not None:
             loss = loss * self.accelerator.num_processes
         loss = loss.detach().to(self.args.device)
         if prediction_loss_only:
             return loss, None, None
         return loss, logits, labels
+
+    def _rp_eval_stats(self, stats: TokenStats) -> None:
+        """An evaluation batch's :class:`~roundpipe.hf.loss.TokenStats`, for a subclass that
+        logs them (RoundPipeSFTTrainer: TRL's ``eval_mean_token_accuracy``, ``eval_entropy``);
+        nothing here."""
 
     # --- checkpoints ----------------------------------------------------------------------------
 
@@ -505,22 +540,43 @@ class RoundPipeTrainerMixin:
         """Nothing: the grad scaler's state is in the RoundPipe checkpoint."""
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """Checks that the folder holds a RoundPipe checkpoint; the weights are loaded with the
-        optimizer (:meth:`_load_optimizer_and_scheduler`)."""
-        if not os.path.isdir(os.path.join(resume_from_checkpoint, STATE_DIR)):
-            raise ValueError(f"RoundPipeTrainer: {resume_from_checkpoint!r} holds no {STATE_DIR} "
-                             "folder: it was not written by a RoundPipe trainer (resume needs the "
-                             "full-precision weights and optimizer state it holds)")
+        """A RoundPipe checkpoint (a ``roundpipe_state`` folder): checked here, its weights
+        loaded with the optimizer (:meth:`_load_optimizer_and_scheduler`). A plain Trainer
+        checkpoint (model weights and ``optimizer.pt``, see :mod:`roundpipe.hf.plain_checkpoint`):
+        checked and its weights loaded into both copies here, its optimizer state converted
+        there. Anything else raises ``ValueError`` saying how to start from its weights."""
+        self._rp_plain = None
+        if os.path.isdir(os.path.join(resume_from_checkpoint, STATE_DIR)):
+            return
+        from . import plain_checkpoint
+
+        if not plain_checkpoint.is_plain(resume_from_checkpoint):
+            raise ValueError(f"RoundPipeTrainer: {resume_from_checkpoint!r} holds neither a "
+                             f"{STATE_DIR} folder (a RoundPipe trainer's checkpoint) nor the "
+                             "model weights and optimizer.pt of a plain Trainer checkpoint")
+        self._rp_plain = plain_checkpoint.read(resume_from_checkpoint, self.model)
+        plain_checkpoint.check_optimizer(self._rp_plain, self._rp_param_groups())
+        self.model.load_state_dict(self._rp_plain.weights, strict=False)
+        self._rp_plain.weights = None
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         """Weights, optimizer and grad scaler from :func:`roundpipe.load_checkpoint` (any world
-        size), the scheduler as Trainer reads it."""
+        size), or the optimizer state of a plain Trainer checkpoint converted; the scheduler as
+        Trainer reads it."""
         if checkpoint is None:
             return
-        extra = load_checkpoint(os.path.join(checkpoint, STATE_DIR), self.model,
-                                self.optimizer.real)
-        if self._rp_scaler is not None and extra.get("grad_scaler"):
-            self._rp_scaler.load_state_dict(extra["grad_scaler"])
+        plain = self.__dict__.pop("_rp_plain", None)
+        if plain is not None:
+            from . import plain_checkpoint
+
+            plain_checkpoint.check_optimizer(plain, [g["params"] for g in
+                                                     self.optimizer.real.param_groups])
+            self.optimizer.load_state_dict(plain.optimizer)
+        else:
+            extra = load_checkpoint(os.path.join(checkpoint, STATE_DIR), self.model,
+                                    self.optimizer.real)
+            if self._rp_scaler is not None and extra.get("grad_scaler"):
+                self._rp_scaler.load_state_dict(extra["grad_scaler"])
         path = os.path.join(checkpoint, _SCHEDULER_NAME)
         if os.path.isfile(path):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
@@ -620,7 +676,7 @@ class _WrapModel(Trainer):
     def __init__(self, model=None, args=None, *rest: Any, **kwargs: Any) -> None:
         if args is None:
             raise TypeError("RoundPipeTrainer: give args (TrainingArguments)")
-        RoundPipeTrainerMixin._check_arguments(args)
+        self._check_arguments(args)
         model = self._to_roundpipe(model, args)
         super().__init__(model, args, *rest, **kwargs)
 

@@ -6,15 +6,21 @@ dense, contiguous parameters (anything else is an error raised before any tensor
 
 ``active_isa()``, ``supported_isas()`` and ``set_isa()`` report and choose the instruction set
 the kernels use (also settable with the environment variable ``ROUNDPIPE_ISA``);
-``num_threads()`` / ``set_num_threads()`` control the worker threads of a step.
+``num_threads()`` / ``set_num_threads()`` control the worker threads of a step;
+``prefetch_choice()`` reports how far ahead the kernels prefetch each array and how that was
+chosen (a calibration by the first large steps, or the environment variable
+``ROUNDPIPE_PREFETCH``), ``set_prefetch_distance()`` / ``calibrate_prefetch()`` fix or redo it;
+no choice changes a result.
 """
 
 from ._base import CpuOptimizer, StepStats, frozen_copy
-from .._C import active_isa, num_threads, set_isa, set_num_threads, supported_isas
+from .._C import (active_isa, calibrate_prefetch, num_threads, prefetch_choice, set_isa,
+                  set_num_threads, set_prefetch_distance, supported_isas)
 
-# Reads ROUNDPIPE_ISA now, so that an unknown or unsupported value fails at import (ValueError
-# listing the supported ISAs) rather than at the first step.
+# Reads ROUNDPIPE_ISA and ROUNDPIPE_PREFETCH now, so that an unknown or unsupported value fails
+# at import (ValueError naming the variable) rather than at the first step.
 active_isa()
+prefetch_choice()
 from .adadelta import Adadelta
 from .adafactor import Adafactor
 from .adagrad import Adagrad
@@ -45,8 +51,11 @@ __all__ = [
     "StepStats",
     "frozen_copy",
     "active_isa",
+    "calibrate_prefetch",
     "num_threads",
+    "prefetch_choice",
     "set_isa",
     "set_num_threads",
+    "set_prefetch_distance",
     "supported_isas",
 ]

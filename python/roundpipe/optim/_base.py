@@ -467,8 +467,11 @@ class CpuOptimizer(Optimizer):
     def _new_state(self, p: torch.Tensor, state: dict, key: str, fill: float = 0.0) -> None:
         """``state[key]`` (and, int8, ``state[key + "_absmax"]``) for a new per-element state
         tensor of ``p`` holding ``fill`` everywhere, in this optimizer's format for it (large
-        ones in their own memory mapping, see :mod:`roundpipe.host_buffers`)."""
-        compact.new_state(self._memory, p, state, key, fill, self._int8_signed)
+        ones in their own memory mapping, see :mod:`roundpipe.host_buffers`; float32 ones
+        spread over the page offsets, :func:`compact.staggered_zeros`)."""
+        keys = self._state_keys
+        compact.new_state(self._memory, p, state, key, fill, self._int8_signed,
+                          keys.index(key) if key in keys else 0, max(1, len(keys)))
 
     def _rounding_index(self, p: torch.Tensor) -> int:
         """The position of ``p`` among all parameters, group by group (its rounding stream)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -48,14 +48,16 @@ def in_layer() -> bool:
 def run_layers(layers: list[nn.Module], first_layer: int,
                tensors: list[list[tuple[tuple, torch.Tensor]]], stage_input: Any,
                microbatch: int, call_seed: int, device: torch.device, store: dict,
-               recomputing: bool, locks: Optional[list] = None) -> Any:
+               recomputing: bool, locks: Optional[list] = None,
+               meter: Optional[Callable[[int], Any]] = None) -> Any:
     """Runs ``layers`` (global indices from ``first_layer``) on ``stage_input`` with the
     device tensors ``tensors[i]`` of layer ``i`` (``(sites, tensor)`` pairs:
     :attr:`roundpipe.transfer.TensorRef.sites`). Layer 0 receives the user's inputs as
     ``(args, kwargs)``; every other layer receives the previous layer's output as its single
     argument, as ``nn.Sequential``. ``locks[i]`` (optional) is held while layer ``i`` runs:
     a module that appears in stages on different devices must not run on two threads at
-    once (its tensors are swapped while it runs)."""
+    once (its tensors are swapped while it runs). ``meter(index)`` (optional) is a context
+    around layer ``index``'s run that measures it (:mod:`roundpipe.pipeline.meter`)."""
     x = stage_input
     cuda = (device.index or 0) if device.type == "cuda" else None
     for offset, (layer, placed) in enumerate(zip(layers, tensors)):
@@ -66,7 +68,8 @@ def run_layers(layers: list[nn.Module], first_layer: int,
         else:
             args, kwargs = (x,), {}
         with lock if lock is not None else _NO_LOCK, RNG_LOCK, \
-                recompute.running(store, (index, microbatch), recomputing):
+                recompute.running(store, (index, microbatch), recomputing), \
+                meter(index) if meter is not None else _NO_LOCK:
             x = _run_layer(layer, placed, args, kwargs, layer_seed(call_seed, index, microbatch),
                            cuda)
     return x

@@ -8,6 +8,11 @@ e.g. BatchNorm statistics of a module used twice, happen in model order). The ne
 weights are prefetched only when that is already true, when the device is done with the
 visit before the current one (at most two stages of weights resident) and when the current
 and next stage fit under ``max_resident_bytes``.
+
+Across passes (generation, whose passes follow one another with the same weights): after a
+pass, :meth:`WeightFetcher.upload_ahead` uploads the device's first visit of the next pass, so
+the copy overlaps the host's work between the passes; the next pass's fetcher starts from it
+(:meth:`WeightFetcher.start_from`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,25 @@ class WeightFetcher:
     def _upload(self, k: int) -> tuple[StageWeights, object]:
         v = self.visits[k]
         return self.io.upload(self.refs(v.stage), v.backward)
+
+    def start_from(self, carried: Optional[tuple]) -> bool:
+        """Takes ``carried`` (:meth:`upload_ahead`'s result in the pass before, or None) as the
+        upload of this pass's first visit if it is that visit's; returns whether it was."""
+        if carried is None or not self.visits or carried[0] != self.visits[0]:
+            return False
+        self._next = (0, carried[1])
+        return True
+
+    def upload_ahead(self) -> Optional[tuple]:
+        """After the pass: ``(visit, (weights, event))``, the upload of this device's first
+        visit for a next pass with the same visits, issued now; None when it must wait for
+        something (the optimizer side's gates, an earlier stage's forward visit)."""
+        if not self.visits:
+            return None
+        v = self.visits[0]
+        if self.deps[v.stage] or not self.gates.ready(self.layers_of(v.stage)):
+            return None
+        return v, self._upload(0)
 
     def get(self, k: int, abort) -> StageWeights:
         """The weights of visit ``k``, uploaded now unless prefetched; the compute waits for

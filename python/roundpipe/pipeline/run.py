@@ -97,25 +97,41 @@ class Pass:
         self.handed_over = [Slot() for _ in range(S)]
         self.losses: list = [None] * M
         self.outputs: list = [None] * M
+        # uploads the pass before made for this one (spec.carry), by device
+        self.carried = dict(spec.carry) if spec.carry else {}
+        if spec.carry:
+            spec.carry.clear()
         self._count_floors()
 
     def _count_floors(self) -> None:
-        """The byte floors of this pass (see :mod:`roundpipe.stats`)."""
-        M = len(self.spec.microbatches)
+        """The byte floors of this pass (see :mod:`roundpipe.stats`); a visit uploaded by the
+        pass before (:attr:`carried`) was counted there."""
         weight = grad = 0
+        firsts = {v for v, _ in self.carried.values()}
         for v in self.order:
-            seen = set()
-            for li in self.layout.stages[v.stage].layers:
-                for ref in self.layout.refs[li]:
-                    if ref.is_buffer or id(ref.host) in seen:
-                        continue
-                    seen.add(id(ref.host))
-                    size = ref.host.numel() * ref.host.element_size()
-                    weight += size
-                    if v.backward and ref.index is not None and ref.host.requires_grad:
-                        grad += ref.host.numel() * min(M * ref.host.element_size(), 4)
+            if v in firsts:
+                firsts.discard(v)
+                continue
+            w, g = self._visit_floor(v)
+            weight += w
+            grad += g
         self.stats.add("weight_floor_bytes", weight)
         self.stats.add("param_grad_floor_bytes", grad)
+
+    def _visit_floor(self, v: Visit) -> tuple[int, int]:
+        """Bytes of weights a visit uploads and of parameter gradients it downloads, at least."""
+        M = len(self.spec.microbatches)
+        weight = grad = 0
+        seen = set()
+        for li in self.layout.stages[v.stage].layers:
+            for ref in self.layout.refs[li]:
+                if ref.is_buffer or id(ref.host) in seen:
+                    continue
+                seen.add(id(ref.host))
+                weight += ref.host.numel() * ref.host.element_size()
+                if v.backward and ref.index is not None and ref.host.requires_grad:
+                    grad += ref.host.numel() * min(M * ref.host.element_size(), 4)
+        return weight, grad
 
     # --- running -------------------------------------------------------------------------------
 
@@ -137,6 +153,19 @@ class Pass:
             abort.set()
             for d in used:
                 self.ios[d].finish()
+        if self.spec.upload_ahead and self.spec.carry is not None:
+            self._upload_ahead(runners)
+
+    def _upload_ahead(self, runners: dict) -> None:
+        """Each device's first visit of a next pass like this one, uploaded now into
+        ``spec.carry`` (on CUDA on the weights stream, overlapping what the host does until
+        that pass starts); its weight bytes are counted in the floor now."""
+        for d, runner in runners.items():
+            with self.ios[d].activate():
+                item = runner.fetcher.upload_ahead()
+            if item is not None:
+                self.spec.carry[d] = item
+                self.stats.add("weight_floor_bytes", self._visit_floor(item[0])[0])
 
     def stage_input_done(self, s: int) -> bool:
         """Whether nothing reads stage ``s``'s inputs after its forward visit."""
@@ -161,6 +190,7 @@ class _DeviceRun:
             lambda s: layout.stages[s].layers, pass_.gates,
             [[pass_.forward_done[e] for e in layout.buffer_deps[s]] for s in range(len(layout.stages))],
             layout.stage_bytes, layout.max_resident_bytes, pass_.stats)
+        self.fetcher.start_from(pass_.carried.get(d))
 
     def run_next(self, activate: bool = True) -> None:
         io = self.pass_.ios[self.d]

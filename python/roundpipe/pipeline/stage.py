@@ -18,6 +18,7 @@ so a layer may modify its input in place as it could in plain PyTorch.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -28,6 +29,7 @@ from ..plan import Stage
 from ..torch_private import tree_flatten, tree_unflatten
 from ..transfer import DeviceIO, GradDownload, StageWeights, io_scope
 from .execute import run_layers
+from .meter import PassMeter
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,14 @@ class PassSpec:
             microbatch, the ``"sum"`` convention). A microbatch of weight 0 contributes a
             zero loss and zero gradients even where its ``loss_fn`` is not finite (a
             token mean over no token).
+        meter: measures every layer and backward for the stage planner (None: nothing is
+            measured; :mod:`roundpipe.pipeline.meter`).
+        carry: uploads handed from one pass to the next (generation, whose passes follow one
+            another with the same weights): ``{device index: (visit, (weights, event))}``,
+            taken by this pass for its first visits (see :mod:`roundpipe.pipeline.fetch`);
+            None: none.
+        upload_ahead: after this pass, upload each device's first visit of the next pass
+            into ``carry`` (its bytes and their floor counted now).
     """
 
     microbatches: list
@@ -89,6 +99,9 @@ class PassSpec:
     loss_scale: float = 1.0
     want_norms: bool = False
     loss_weights: Optional[list[float]] = None
+    meter: Optional[PassMeter] = None
+    carry: Optional[dict] = None
+    upload_ahead: bool = False
 
 
 class _StageInput(torch.autograd.Function):
@@ -143,10 +156,23 @@ class StageVisit:
         self.io.sum_grads_over(self.weights, len(self.spec.microbatches))
 
     def _run(self, x: Any, m: int, recomputing: bool) -> Any:
+        meter = None
+        if self.spec.meter is not None:
+            exclude = {t.untyped_storage().data_ptr()
+                       for placed in self.weights.layers for _, t in placed}
+            exclude.update(t.untyped_storage().data_ptr() for t in self.weights.derived)
+            meter = functools.partial(self.spec.meter.layer, self.io, microbatch=m,
+                                      exclude=exclude)
         with self.spec.autocast.enter(self.stage.device.type), io_scope(self.io):
             return run_layers(self.layers, self.stage.start, self.weights.layers, x, m,
                               self.spec.call_seed, self.stage.device, self.spec.store,
-                              recomputing, self.locks)
+                              recomputing, self.locks, meter)
+
+    def _measured_backward(self, m: int):
+        """Around microbatch ``m``'s backward: timed when the pass is measured."""
+        if self.spec.meter is None:
+            return contextlib.nullcontext()
+        return self.spec.meter.backward(self.io, self.stage.layers, m)
 
     def forward_one_chunk(self, m: int, host_input: Any, event: Any, kind: str) -> tuple[Any, Any]:
         """The stage on microbatch ``m`` without autograd; returns its output on the host
@@ -215,7 +241,8 @@ class StageVisit:
                 if spec.loss_scale != 1.0:
                     loss = loss * torch.full((), spec.loss_scale, dtype=torch.float32,
                                              device=loss.device)
-                loss.backward()
+                with self._measured_backward(m):
+                    loss.backward()
             else:
                 g_host, g_event = grad_output
                 pairs = [(t, g) for t, g in zip(_leaves(y), g_host)
@@ -223,7 +250,8 @@ class StageVisit:
                 y = None
                 if pairs:
                     grads = io.to_device([g for _, g in pairs], g_event, "input_grad")
-                    torch.autograd.backward([t for t, _ in pairs], grads)
+                    with self._measured_backward(m):
+                        torch.autograd.backward([t for t, _ in pairs], grads)
                 pairs = grads = None  # noqa: F841
         if self.input_grad:
             grads = [None] * spec_tree.num_leaves

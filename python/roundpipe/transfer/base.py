@@ -23,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from ..quant import dequantize_uploaded
 from ..threads import Permits
 from ..stats import Stats
 from ..torch_private import tensor_version, tree_map
@@ -60,13 +62,16 @@ class StageWeights:
         buffers: ``(host buffer, device buffer, device version right after the upload, id of
             the module holding it)``.
         grad_sums: fp32 sums over microbatches of non-fp32 parameters' gradients, by index.
-        nbytes: device bytes of the weights and buffers.
+        derived: tensors made on the device from the weights for the visit (the dense weights
+            of a quantized base), alive as long as the visit.
+        nbytes: device bytes of the weights, buffers and derived tensors.
     """
 
     layers: list[list[tuple[tuple, torch.Tensor]]]
     trainable: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     buffers: list[tuple[torch.Tensor, torch.Tensor, int, int]] = field(default_factory=list)
     grad_sums: dict[int, torch.Tensor] = field(default_factory=dict)
+    derived: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
 
 
@@ -151,6 +156,10 @@ class DeviceIO:
         """A parameter's tensor on the device (default: a copy, as every other upload)."""
         return self._copy_to_device(t)
 
+    def _keep_for_compute(self, t: torch.Tensor) -> None:
+        """``t`` was made on the device during an upload and is read by the compute (CUDA:
+        its memory is not reused before the compute stream is done with it)."""
+
     def _begin_upload(self) -> None:
         """Before a stage's weights are copied (CUDA: switch to the weights stream)."""
 
@@ -187,10 +196,21 @@ class DeviceIO:
         """Device-side timings measured since the last call (seconds), by stats key."""
         return {}
 
+    def mark(self) -> Any:
+        """A point in the device's work issued so far (to measure what runs between two)."""
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """The device's seconds between two :meth:`mark` s, once the work between them is
+        done (after the pass)."""
+        return end - start
+
     # --- what every device type shares --------------------------------------------------------
 
     def upload(self, layers: list[list[TensorRef]], with_grad: bool) -> tuple[StageWeights, Any]:
-        """A stage's weights on the device (each host tensor copied once); with ``with_grad``,
+        """A stage's weights on the device (each host tensor copied once, the weights of a
+        quantized frozen base dequantized once behind the copies:
+        :func:`roundpipe.quant.dequantize_uploaded`); with ``with_grad``,
         copies of trainable parameters (``index`` set and the host parameter still
         ``requires_grad``) require grad and collect it; without, copies of parameters whose
         host parameter requires grad require grad too, as the model's own parameters do (a
@@ -227,6 +247,10 @@ class DeviceIO:
                             t.requires_grad_(True)
                 placed.append((ref.sites, t))
             weights.layers.append(placed)
+        for dense in dequantize_uploaded(layers, copies):  # behind the copies, see its doc
+            weights.nbytes += nbytes(dense)
+            weights.derived.append(dense)
+            self._keep_for_compute(dense)
         return weights, self._end_upload(weights.nbytes)
 
     def to_device(self, tree: Any, event: Any, kind: str) -> Any:
@@ -269,13 +293,17 @@ class DeviceIO:
             return
         for i, t in weights.trainable:
             if t.dtype != torch.float32:
-                t.register_post_accumulate_grad_hook(functools.partial(self._add_to_sum, weights, i))
+                # the hook refers to the sums, never to ``weights`` (which holds ``t``): a
+                # tensor's hooks are not seen by Python's cyclic collector, so a cycle through
+                # them would keep the stage's device tensors alive for good
+                t.register_post_accumulate_grad_hook(
+                    functools.partial(self._add_to_sum, weights.grad_sums, i))
 
-    def _add_to_sum(self, weights: StageWeights, i: int, t: torch.Tensor) -> None:
+    def _add_to_sum(self, sums: dict[int, torch.Tensor], i: int, t: torch.Tensor) -> None:
         g, t.grad = t.grad, None
-        total = weights.grad_sums.get(i)
+        total = sums.get(i)
         if total is None:
-            weights.grad_sums[i] = self._new_sum(g)
+            sums[i] = self._new_sum(g)
         else:
             total.add_(g)
 
@@ -346,6 +374,15 @@ class DeviceIO:
         waits for ``after``, the event of an earlier :meth:`kv_to_host` into that memory
         (None: nothing pending)."""
         return self.to_device(host, after, "kv")
+
+    def kv_prefetch(self, host: torch.Tensor, after: Any) -> tuple[torch.Tensor, Any]:
+        """:meth:`kv_to_device` issued ahead of its use: the device copy and the event the
+        compute must wait for (:meth:`kv_ready`) before reading it (CUDA: copied on the
+        activations stream without making the compute wait now; elsewhere: done, None)."""
+        return self.kv_to_device(host, after), None
+
+    def kv_ready(self, event: Any) -> None:
+        """The compute waits for a :meth:`kv_prefetch` marked by ``event`` (None: done)."""
 
     def kv_to_host(self, dev: torch.Tensor, host: torch.Tensor) -> Any:
         """Copies device KV entries into ``host`` (same shape and dtype; counted as

@@ -1,5 +1,7 @@
 """The CPU as compute device: every copy is synchronous and events are ``None``.
 
+The next stage's weights are "prefetched" as on CUDA when ``prefetch`` is set (the same
+fetcher logic runs, so what stays alive and what waits for what is tested here, without a GPU).
 Parameters are used where they are (a new tensor object sharing the host model copy's memory,
 so it can require grad on its own): no second copy of a stage's weights exists on the host;
 so are the KV cache entries of generation (only read by the layer).
@@ -25,8 +27,10 @@ from .base import DeviceIO, GradDownload, nbytes
 class CpuIO(DeviceIO):
     """:class:`roundpipe.transfer.base.DeviceIO` for the CPU (see the module docstring)."""
 
-    def __init__(self, device: torch.device, stats, pool: Optional[HostBuffers] = None) -> None:
+    def __init__(self, device: torch.device, stats, pool: Optional[HostBuffers] = None,
+                 prefetch: bool = False) -> None:
         super().__init__(device, stats)
+        self.prefetch = prefetch
         self._pool = pool or HostBuffers()
         self._upload_start = 0.0
 

@@ -6,7 +6,8 @@ device); CUDA is first used when a CUDA device is given to ``RoundPipe``, so CPU
 touches it. Per device (:class:`CudaIO`, used by that device's worker,
 and by the optimizer side to wait for and release gradient downloads):
 
-- ``weights`` stream: uploads of stage weights and buffers from the pinned host model copy;
+- ``weights`` stream: uploads of stage weights and buffers from the pinned host model copy,
+  and the dequantization of a quantized frozen base's weights right behind their upload;
 - ``acts`` stream: uploads of stage inputs, labels and input gradients;
 - ``compute`` stream: the layers, forward and backward (autograd runs a backward op on the
   stream of its forward op), and the sums of parameter gradients over microbatches;
@@ -87,7 +88,21 @@ def _unregister(pointers: list[int]) -> None:
         _clear_cuda_error()  # an already freed range is not an error worth reporting later
 
 
-class PinnedArena:
+class HostArena:
+    """Pageable host memory of exactly ``size`` bytes, handed out as typed views."""
+
+    pinned = False
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.buffer = torch.empty(max(size, 1), dtype=torch.uint8)
+
+    def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """``like``'s dtype and shape at byte ``offset`` (a multiple of :data:`ALIGN`)."""
+        return self.buffer[offset:offset + nbytes(like)].view(like.dtype).view(like.shape)
+
+
+class PinnedArena(HostArena):
     """Host memory of exactly ``size`` bytes (plus alignment), page-locked with
     ``cudaHostRegister`` while the object lives.
 
@@ -95,18 +110,28 @@ class PinnedArena:
         RuntimeError: registration failed (the CUDA error state is cleared).
     """
 
+    pinned = True
+
     def __init__(self, size: int, device: torch.device) -> None:
-        self.size = size
-        self.buffer = torch.empty(max(size, 1), dtype=torch.uint8)
+        super().__init__(size)
         with torch.cuda.device(device):
             code = _register(self.buffer.data_ptr(), self.buffer.numel())
         if code != 0:
             raise RuntimeError(f"cudaHostRegister of {size} bytes failed (error {code})")
         weakref.finalize(self, _unregister, [self.buffer.data_ptr()])
 
-    def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
-        """``like``'s dtype and shape at byte ``offset`` (a multiple of :data:`ALIGN`)."""
-        return self.buffer[offset:offset + nbytes(like)].view(like.dtype).view(like.shape)
+
+def host_arena(size: int, device: torch.device, pin: bool, what: str) -> HostArena:
+    """An arena of ``size`` bytes for ``what``: pinned when ``pin`` (the model's host copy is
+    pinned) and registration succeeds, else pageable (copies are then synchronous and
+    slower, results the same), with a ``UserWarning`` when pinning failed."""
+    if pin:
+        try:
+            return PinnedArena(size, device)
+        except RuntimeError as e:
+            warnings.warn(f"RoundPipe: could not pin {what} ({e}); using pageable memory "
+                          "(copies are synchronous and slower)", UserWarning, stacklevel=3)
+    return HostArena(size)
 
 
 def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -232,6 +257,25 @@ class HostWrites:
             event.synchronize()
 
 
+_STREAMS: dict[int, tuple] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def device_streams(device: torch.device) -> tuple:
+    """The ``compute``, ``weights``, ``acts`` and ``down`` streams of CUDA device ``device``,
+    made on first use and shared by every RoundPipe of the process. cuBLAS keeps a workspace
+    (32 MiB on recent GPUs) per handle and stream it ran on, for the life of the process:
+    streams made per RoundPipe left about 70 MB on the device for each one ever built (two
+    handles: the caller's thread and autograd's), whereas shared streams reuse the
+    workspaces. Work of several RoundPipes on one device is ordered on the same streams."""
+    index = torch.device(device).index or 0
+    with _STREAMS_LOCK:
+        streams = _STREAMS.get(index)
+        if streams is None:
+            streams = _STREAMS[index] = tuple(torch.cuda.Stream(index) for _ in range(4))
+        return streams
+
+
 class CudaIO(DeviceIO):
     """:class:`roundpipe.transfer.base.DeviceIO` for one CUDA device (see the module docstring).
     Two gradient downloads may wait to be consumed (the two slots of the staging ring), so
@@ -242,24 +286,28 @@ class CudaIO(DeviceIO):
         stats: where bytes and seconds are counted.
         prefetch: upload the next stage's weights while the current one computes.
         grad_numels: per stage, the element counts of its trainable parameters (sizes the
-            staging ring's two slots for the largest stage's fp32 gradients).
+            staging ring's two slots for the largest stage's fp32 gradients; a larger download
+            later grows them).
         host_writes: the RoundPipe's :class:`HostWrites`.
+        pin: the host model copy is pinned (else the staging ring and the KV cache are
+            pageable too: ``pin_memory="off"``, or pinning failed).
     """
 
     grad_downloads_in_flight = 2
 
     def __init__(self, device: torch.device, stats, prefetch: bool = True,
                  grad_numels: Sequence[Sequence[int]] = (),
-                 host_writes: Optional[HostWrites] = None) -> None:
+                 host_writes: Optional[HostWrites] = None, pin: bool = True) -> None:
         super().__init__(device, stats)
         self.prefetch = prefetch
+        self.pin = pin
         self._slot_size = max((sum(_align(4 * n) for n in stage) for stage in grad_numels),
                               default=0)
         self._host_writes = host_writes or HostWrites()
         self._streams = False
-        self._ring: Optional[PinnedArena] = None
+        self._ring: Optional[HostArena] = None
         self._free_slots: list[int] = []
-        self._slots_lock = threading.Lock()
+        self._slots = threading.Condition()
         self._issued: collections.deque = collections.deque()  # compute events, oldest first
         self._visit_start = None
         self._timings: list[tuple] = []  # (kind, start event, end event, bytes), in order
@@ -273,8 +321,7 @@ class CudaIO(DeviceIO):
     def activate(self):
         with torch.cuda.device(self.device):
             if not self._streams:
-                self.compute, self.weights, self.acts, self.down = (
-                    torch.cuda.Stream(self.device) for _ in range(4))
+                self.compute, self.weights, self.acts, self.down = device_streams(self.device)
                 self._streams = True
             with torch.cuda.stream(self.compute):
                 yield
@@ -301,6 +348,9 @@ class CudaIO(DeviceIO):
         if t.device.type == "cuda":
             t.record_stream(self.down)
         return h
+
+    def _keep_for_compute(self, t: torch.Tensor) -> None:
+        t.record_stream(self.compute)  # made on the weights stream, read by the compute
 
     def _begin_upload(self) -> None:
         start = self._event(True)
@@ -352,17 +402,28 @@ class CudaIO(DeviceIO):
 
     # --- gradients and buffers ---------------------------------------------------------------------
 
-    def _take_slot(self) -> int:
-        with self._slots_lock:
-            if self._ring is None:
-                size = self._slot_size
-                self._ring = PinnedArena(2 * size, self.device)
-                self._free_slots = [0, size]
-                self.stats.add("pinned_bytes", self._ring.size)
+    def _take_slot(self, size: int) -> int:
+        """A free slot of the staging ring (two slots; at most two downloads are out, see
+        :attr:`grad_downloads_in_flight`) of at least ``size`` bytes: the ring is made on
+        first use, and made larger (a new plan's larger stage) once both slots are free."""
+        with self._slots:
+            while self._ring is None or self._slot_size < size:
+                if self._ring is None or len(self._free_slots) == 2:
+                    if self._ring is not None and self._ring.pinned:
+                        self.stats.add("pinned_bytes", -self._ring.size)
+                    self._slot_size = max(self._slot_size, size)
+                    self._ring = None  # the old one is freed before the new one is made
+                    self._ring = host_arena(2 * self._slot_size, self.device, self.pin,
+                                            "the gradient staging ring")
+                    self._free_slots = [0, self._slot_size]
+                    if self._ring.pinned:
+                        self.stats.add("pinned_bytes", self._ring.size)
+                    break
+                self._slots.wait()  # the optimizer side releases the slots it consumes
             return self._free_slots.pop()
 
     def _download_grads(self, sources, norms_sq) -> GradDownload:
-        slot = self._take_slot()
+        slot = self._take_slot(sum(_align(nbytes(g)) for _, g in sources))
         self._begin_download()
         norms_host = None if norms_sq is None else self._copy_to_host(norms_sq)
         items, offset = [], slot
@@ -375,22 +436,35 @@ class CudaIO(DeviceIO):
         event = self._end_download()
 
         def release():
-            with self._slots_lock:
+            with self._slots:
                 self._free_slots.append(slot)
+                self._slots.notify_all()
             self._grad_permits.release()
 
         return GradDownload(items, norms_host, event, False, release)
 
     def kv_host_empty(self, shape: tuple, dtype: torch.dtype, keep: list) -> torch.Tensor:
         like = torch.empty(shape, dtype=dtype, device="meta")
-        try:
-            arena = PinnedArena(nbytes(like), self.device)
-        except RuntimeError:
-            return torch.empty(shape, dtype=dtype)  # pageable: slower copies, same results
+        arena = host_arena(nbytes(like), self.device, self.pin, "the KV cache")
         keep.append(arena)
-        self.stats.add("pinned_bytes", arena.size)
-        weakref.finalize(arena, self.stats.add, "pinned_bytes", -arena.size)
+        if arena.pinned:
+            self.stats.add("pinned_bytes", arena.size)
+            weakref.finalize(arena, self.stats.add, "pinned_bytes", -arena.size)
         return arena.view(0, like)
+
+    def kv_prefetch(self, host: torch.Tensor, after: Any) -> tuple[torch.Tensor, Any]:
+        done = self._event()
+        with torch.cuda.stream(self.acts):
+            if after is not None:
+                self.acts.wait_event(after)
+            self.stats.moved("h2d", "kv", nbytes(host))
+            dev = self._copy_to_device(host)
+            done.record(self.acts)
+        return dev, done
+
+    def kv_ready(self, event: Any) -> None:
+        if event is not None:
+            self.compute.wait_event(event)
 
     def _copy_into_host(self, dev: torch.Tensor, host: torch.Tensor) -> None:
         with torch.no_grad():
@@ -450,6 +524,16 @@ class CudaIO(DeviceIO):
         kind, a, b, _ = timing
         seconds = a.elapsed_time(b) / 1e3
         self._totals["weights_wait_s" if kind == "wait" else "upload_s"] += seconds
+
+    def mark(self) -> Any:
+        """A timing event recorded on the compute stream."""
+        event = self._event(True)
+        event.record(self.compute)
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def collect(self) -> dict[str, float]:
         timings, self._timings = self._timings, []

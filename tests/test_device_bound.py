@@ -1,0 +1,195 @@
+"""The device-memory bound, held on the CPU device where CI runs: what the pipeline keeps alive
+of what it put on a device is logic, not CUDA, so it is counted here with weak references on
+every tensor the device I/O returned, and a GPU run only confirms it (``tests/test_gpu.py``).
+
+The rule (docs/overlap.md): on each device, at most two stages' weights (the one computing and
+the next one's prefetch), one stage's gradient sums and one microbatch's activations (the one
+being issued, beside the one computing) are alive; nothing a call put on a device outlives the
+call, and nothing accumulates call after call. Python's cyclic collector is switched off while
+a test runs, so a reference cycle (which frees device memory only whenever the collector happens
+to run) counts as retention, as it does on a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections import defaultdict
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe.optim as rpo
+from roundpipe import RoundPipe
+from roundpipe.transfer import base as transfer_base
+
+from pipeline_models import causal_lm
+
+
+class Uploads:
+    """Weak references, per device, to the tensors of every stage upload and every activation
+    copy the device I/O made (the CPU device's gradient sums are host memory handed to the
+    optimizer side, so they are not counted here); at each new upload, the number of earlier
+    ones still alive on the same device is recorded (its maximum is what a test bounds)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.refs: dict[str, list[list[weakref.ref]]] = defaultdict(list)  # "kind@device" -> groups
+        self.most_alive: dict[str, int] = defaultdict(int)
+
+    @staticmethod
+    def _alive(group: list) -> bool:
+        return any(r() is not None for r in group)
+
+    def add(self, kind: str, io, tensors) -> None:
+        key = f"{kind}@{id(io)}"
+        group = [weakref.ref(t) for t in tensors]
+        with self.lock:
+            earlier = sum(self._alive(g) for g in self.refs[key])
+            self.most_alive[kind] = max(self.most_alive[kind], earlier)
+            self.refs[key].append(group)
+
+    def alive(self, kind: str) -> int:
+        with self.lock:
+            return sum(self._alive(g) for key, groups in self.refs.items()
+                       if key.startswith(kind + "@") for g in groups)
+
+    def total(self, kind: str) -> int:
+        return sum(len(groups) for key, groups in self.refs.items() if key.startswith(kind + "@"))
+
+
+@pytest.fixture
+def uploads(monkeypatch):
+    """Counts what :class:`DeviceIO` puts on a device (see :class:`Uploads`), with the cyclic
+    garbage collector off."""
+    seen = Uploads()
+    upload, to_device = transfer_base.DeviceIO.upload, transfer_base.DeviceIO.to_device
+
+    def counted_upload(io, layers, with_grad):
+        weights, event = upload(io, layers, with_grad)
+        seen.add("weights", io, [t for placed in weights.layers for _, t in placed])
+        return weights, event
+
+    def counted_to_device(io, tree, event, kind):
+        out = to_device(io, tree, event, kind)
+        if kind == "activation":
+            leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            seen.add("activation", io, leaves)
+        return out
+
+    monkeypatch.setattr(transfer_base.DeviceIO, "upload", counted_upload)
+    monkeypatch.setattr(transfer_base.DeviceIO, "to_device", counted_to_device)
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield seen
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _mlp(layers: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(layers - 1)],
+                         nn.Linear(32, 4))
+
+
+def _train(model: RoundPipe, mode: str, calls: int, x, y, loss_fn, per_call=None) -> None:
+    opt = rpo.AdamW(model.optim_parameters(), lr=1e-3, eps=1e-3)
+    for _ in range(calls):
+        if mode == "exact":
+            model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, optimizer=opt)
+        else:
+            model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+            model.step(opt, is_async=mode == "async")
+        if per_call is not None:
+            per_call()
+    model.synchronize()
+
+
+MODES = ("sync", "async", "exact")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("microbatches", [1, 3])
+@pytest.mark.parametrize("devices,prefetch", [(["cpu"], False), (["cpu"], True),
+                                              (["cpu", "cpu"], True)])
+def test_at_most_two_stages_of_weights_and_nothing_after_the_call(uploads, mode, microbatches,
+                                                                  devices, prefetch):
+    """8 one-layer stages of a bf16 model with float32 master weights (gradients summed on the
+    device in float32 when there are several microbatches): during each call at most one
+    earlier stage upload is alive on a device when the next is made (two stages resident),
+    one earlier microbatch's activations; after each
+    call and its step nothing is alive, three calls in a row."""
+    model = RoundPipe(_mlp().to(torch.bfloat16), optim_dtype=torch.float32, device=devices,
+                      num_microbatch=microbatches, prefetch=prefetch)
+    x, y = torch.randn(12, 32).bfloat16(), torch.randn(12, 4)
+    after = []
+
+    def count():
+        model.synchronize()
+        after.append({k: uploads.alive(k) for k in ("weights", "activation")})
+
+    _train(model, mode, 3, x, y, lambda o, t: ((o.float() - t) ** 2).mean(), count)
+    assert uploads.total("weights") >= 3 * 8  # the counting saw the uploads
+    assert after == [{"weights": 0, "activation": 0}] * 3
+    assert uploads.most_alive["weights"] <= (1 if prefetch else 0)
+    assert uploads.most_alive["activation"] <= 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_bound_follows_an_automatic_plan(uploads, mode):
+    """``layers_per_stage="auto"`` with a budget of about three layers: the planned stages (of
+    several layers) obey the same bound as one-layer stages."""
+    model = RoundPipe(_mlp().to(torch.bfloat16), optim_dtype=torch.float32, device="cpu",
+                      num_microbatch=3, layers_per_stage="auto", memory_budget=60_000)
+    x, y = torch.randn(12, 32).bfloat16(), torch.randn(12, 4)
+    _train(model, mode, 4, x, y, lambda o, t: ((o.float() - t) ** 2).mean())
+    assert 1 < len(model.plan().sizes) < 8 and max(model.plan().sizes) > 1
+    assert uploads.alive("weights") == 0 and uploads.alive("activation") == 0
+    assert uploads.most_alive["weights"] <= 1 and uploads.most_alive["activation"] <= 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hugging_face_lora_model_keeps_nothing_after_the_call(uploads, mode):
+    """A tiny Llama with LoRA adapters (frozen base, trainable adapters), bf16, three
+    microbatches: the same bound over its embedding, decoder layers and head."""
+    peft = pytest.importorskip("peft")
+    import roundpipe
+    net = causal_lm("llama", num_hidden_layers=3).to(torch.bfloat16)
+    net = peft.get_peft_model(net, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model = roundpipe.wrap_model_to_roundpipe(net, torch.float32, num_microbatch=3, device="cpu")
+    opt = rpo.AdamW(model.optim_parameters(), lr=1e-3, eps=1e-3)
+    ids = torch.randint(0, 101, (6, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        kw = {"input_kwargs": {"input_ids": ids, "labels": ids}}
+        if mode == "exact":
+            model.forward_backward(**kw, optimizer=opt)
+        else:
+            model.forward_backward(**kw)
+            model.step(opt, is_async=mode == "async")
+        model.synchronize()
+        assert uploads.alive("weights") == 0
+        assert uploads.alive("activation") == 0
+    assert uploads.most_alive["weights"] <= 1
+    assert uploads.most_alive["activation"] <= 1
+
+
+def test_a_failed_call_keeps_nothing(uploads):
+    """A loss_fn raising in the backward of the last stage: the error reaches the caller and
+    nothing the call uploaded stays alive (the traceback does not hold the stage)."""
+    model = RoundPipe(_mlp().to(torch.bfloat16), optim_dtype=torch.float32, device="cpu",
+                      num_microbatch=3)
+    x, y = torch.randn(12, 32).bfloat16(), torch.randn(12, 4)
+
+    def bad_loss(o, t):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=bad_loss)
+    model.synchronize()
+    assert uploads.alive("weights") == 0
+    assert uploads.alive("activation") == 0
