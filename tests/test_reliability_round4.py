@@ -267,6 +267,8 @@ def test_stepping_another_models_optimizer_inside_a_step_function_raises_naming_
         a.step(lambda: opt_b.step())
     message = str(info.value)
     assert f"at {id(a):#x}" in message and f"at {id(b):#x}" in message, message
+    with pytest.raises(RuntimeError, match="max_grad_norm"):  # clipping B's there: the same
+        a.step(lambda: torch.nn.utils.clip_grad_norm_(list(b.optim_parameters()), 1.0))
     b.step(opt_b)  # B's gradients were kept for its own step
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ref(x).square().mean().backward()
