@@ -8,7 +8,9 @@ Cases: ``train`` (every mode — ``step``, ``async``, ``exact``, ``+clip`` with 
 an equal clone after the first step — replicated and sharded, results saved per mode),
 ``save`` (train, then a DCP checkpoint), ``save_int8`` (the same with int8 optimizer state,
 sharded), ``adafactor_sharded`` (Adafactor refused with sharded copies), ``resume`` (load a
-DCP checkpoint, train on), ``fail`` (rank 1 raises in its loss_fn in the second step),
+DCP checkpoint, train on), ``fail`` (rank 1 raises in the second step, in its loss_fn or in
+a layer's backward, in every mode, replicated and sharded: each rank records when and what it
+raised; the process group's timeout is 15 s),
 ``memory`` (peak host bytes per parameter, sharded, exact mode), ``user_collectives`` (the
 user's own collectives on the wrapper's group during asynchronous steps and exact mode:
 an all-reduced loss for logging and ``roundpipe.global_num_items``), ``settings SETTING``
@@ -20,9 +22,11 @@ each rank ran and its weights).
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,12 +57,15 @@ def loss_fn(out, target):
     return ((out - target) ** 2).sum(-1).mean()
 
 
-def train(model, opt, mode: str, steps: range, rank: int, world: int, scaler=None, clip=None):
+def train(model, opt, mode: str, steps: range, rank: int, world: int, scaler=None, clip=None,
+          lf=loss_fn, before_step=lambda step: None):
+    """``steps`` steps in ``mode`` on this rank's rows of each batch; ``before_step(step)`` is
+    called before each."""
     kw = {} if clip is None else {"max_grad_norm": clip}
     for step in steps:
+        before_step(step)
         x, y = batch(step)
         xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
-        lf = loss_fn
         if mode == "exact":
             model.forward_backward(input_args=(xs,), label=ys, loss_fn=lf, optimizer=opt,
                                    grad_scaler=scaler, **kw)
@@ -79,6 +86,82 @@ def wrap(shard: bool, seed_rank: int, one_copy: bool = False):
                                 process_group=dist.group.WORLD, shard_optimizer=shard,
                                 num_microbatch=2)
     return model, rpo.AdamW(model.optim_parameters(), lr=LR, eps=1e-3)
+
+
+class _Raise(torch.autograd.Function):
+    """The identity, whose backward raises when ``armed`` (a layer failing mid-backward)."""
+
+    @staticmethod
+    def forward(ctx, x, armed):
+        ctx.armed = armed
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.armed:
+            FAILED.append(time.time())
+            raise RuntimeError("boom on rank 1 (backward)")
+        return grad, None
+
+
+class Boom(nn.Module):
+    """A layer without parameters that fails in its backward while ``armed``."""
+
+    armed = False
+
+    def forward(self, x):
+        return _Raise.apply(x, self.armed)
+
+
+FAILED: list = []  # when this rank failed (wall clock, comparable across local ranks)
+
+
+def fail(out: str, rank: int, world: int) -> None:
+    """Rank 1 fails in the second step of each scenario (mode x replicated/sharded x in its
+    loss_fn or in a layer's backward); every rank catches what it raises and records when."""
+    from roundpipe.torch_private import group_timeout
+
+    scenarios = [(mode, shard, "loss") for shard in (False, True)
+                 for mode in ("step", "async", "exact")]
+    scenarios += [("exact", shard, "backward") for shard in (False, True)]
+    only = sys.argv[3:]  # a subset, named as recorded
+    record = {}
+    for mode, shard, where in scenarios:
+        if only and f"{mode}-{int(shard)}-{where}" not in only:
+            continue
+        torch.manual_seed(0)
+        boom = Boom()
+        net = nn.Sequential(nn.Linear(8, 48), boom, nn.Tanh(), nn.Linear(48, 48), nn.Tanh(),
+                            nn.Linear(48, 6))
+        model = roundpipe.RoundPipe(net, process_group=dist.group.WORLD, shard_optimizer=shard,
+                                    num_microbatch=2)
+        opt = rpo.AdamW(model.optim_parameters(), lr=LR, eps=1e-3)
+        FAILED.clear()
+        now = {"step": 0}
+
+        def arm(step):
+            now["step"] = step
+            boom.armed = rank == 1 and step == 1 and where == "backward"
+
+        def loss(out_, target):
+            if rank == 1 and now["step"] == 1 and where == "loss":
+                FAILED.append(time.time())
+                raise RuntimeError("boom on rank 1 (loss_fn)")
+            return loss_fn(out_, target)
+
+        raised = None
+        try:
+            train(model, opt, mode, range(2), rank, world, lf=loss, before_step=arm)
+        except Exception as e:  # noqa: BLE001 - what this rank raised is the record
+            raised = [time.time(), f"{type(e).__name__}: {e}"]
+        record[f"{mode}-{int(shard)}-{where}"] = {
+            "failed": FAILED[0] if FAILED else None, "raised": raised,
+            "timeout": group_timeout(model.host_process_group).total_seconds()}
+        del model, opt
+        gc.collect()
+        dist.barrier()  # the user's group is unaffected: the next scenario starts together
+    with open(f"{out}/fail-{rank}.json", "w") as f:
+        json.dump(record, f)
 
 
 def memory_per_parameter(layers: int = 12, hidden: int = 1024) -> float:
@@ -119,7 +202,8 @@ def memory_per_parameter(layers: int = 12, hidden: int = 1024) -> float:
 def main() -> None:
     case, out = sys.argv[1], sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15 if case == "fail"
+                                                                    else 20))
     if case == "train":
         for shard in (False, True):
             for mode in sys.argv[3].split(","):
@@ -258,17 +342,7 @@ def main() -> None:
     elif case == "memory":
         print(memory_per_parameter(), flush=True)
     elif case == "fail":
-        model, opt = wrap(False, rank)
-        train(model, opt, "step", range(1), rank, world)
-        x, y = batch(1)
-
-        def bad(out_, target):
-            if rank == 1:
-                raise RuntimeError("boom on rank 1")
-            return ((out_ - target) ** 2).sum()
-
-        model.forward_backward(input_args=(x,), label=y, loss_fn=bad)
-        model.step(opt)          # rank 0 waits for rank 1 in a collective: must not hang
+        fail(out, rank, world)
     dist.destroy_process_group()
 
 

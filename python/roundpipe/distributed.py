@@ -15,30 +15,83 @@ machine's or socket's devices), the gradients reduced across ranks on the optimi
 
 Every collective is issued by the optimizer thread, in the same order on every rank (stages in
 descending order within a pass, then steps in call order), so ranks never wait on each other in
-different orders; every wait is bounded by the group's timeout. A rank that received no
-gradient for a parameter still takes part (with zeros, and a presence flag that keeps a
-parameter no rank trained without a gradient).
+different orders. A rank that received no gradient for a parameter still takes part (with
+zeros, and a presence flag that keeps a parameter no rank trained without a gradient).
+
+**A failing rank.** RoundPipe's collectives run on a gloo group of its own, made with the
+timeout of the user's group, so every wait is bounded by that timeout. When a call fails on one
+rank (its ``loss_fn`` or a layer raises, a step fails, a collective errs), that rank abandons
+the group (:meth:`Comm.abort`): its own pending waits end at once, and the reason is written to
+the group's store, which every rank's waits poll (every :data:`POLL_S` seconds), so the other
+ranks raise too, naming the failed rank, well within the timeout (gloo itself has no abort that
+ends a peer's wait). An abandoned group is not used again: every later call of the wrapper on
+any rank that saw it raises; the ranks must be restarted (as after a failed DDP step).
 """
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import hashlib
 import math
+import os
 import time
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import threads
 from .stats import Stats
+from .torch_private import group_timeout
 
 REDUCTIONS = ("mean", "sum")
 PIECE = 1 << 20  # elements per rank in one collective
+POLL_S = 0.05  # how often a wait on a collective looks for another rank's abort
+_ABORT_KEY = "roundpipe/aborted"
+# RoundPipe's gloo groups made by this process, and the collectives abandoned on them after a
+# failure: torn down at exit (_close_groups), never before (destroying a group while the
+# ranks still make new ones would give them different group names)
+_groups: list = []
+_abandoned: list = []
+_comms: "weakref.WeakSet[Comm]" = weakref.WeakSet()
+_PID = os.getpid()  # a fork()-ed child inherits these lists: they are not its own
 
-# torch 2.13 deprecates reduce_scatter_tensor / all_gather_into_tensor (a FutureWarning per call)
-# for these names, the same collectives; older torch has only the former.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+@atexit.register
+def _close_groups() -> None:
+    """At interpreter exit, once RoundPipe's threads have finished their queued work
+    (:func:`roundpipe.threads._stop_workers`), RoundPipe's gloo groups are torn down while the
+    interpreter is still whole: the collectives abandoned after a failure are waited for (each
+    ends within its group's timeout), each group is destroyed and let go of, which joins its
+    gloo threads. A gloo thread that outlives this (a group left to the interpreter's
+    finalisation) may drop the last reference to a tensor Python made, which takes the GIL:
+    during finalisation that aborts the process ("terminate called without an active
+    exception"). Not in a ``fork()``-ed child, whose copies are the parent's."""
+    threads._stop_workers()
+    if os.getpid() != _PID:
+        return
+    for work in _abandoned:
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 - its error (the timeout) was raised already
+            pass
+    _abandoned.clear()
+    for comm in list(_comms):  # a wrapper not yet collected would keep them alive
+        comm.group, comm.store, comm.user_group = None, None, None
+        comm.aborted = comm.aborted or "the interpreter is exiting"
+    for group in _groups:
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError, AssertionError):
+            pass  # destroyed already (the user's destroy_process_group())
+    _groups.clear()
+
+
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per call) for this name, the same
+# collective; older torch has only the former.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -57,6 +110,11 @@ class Comm:
         reduction: ``"mean"`` (gradients averaged over the ranks, as DDP) or ``"sum"``.
         shard: shard the optimizer copies and state by rows (see the module docstring).
         stats: where communication seconds are counted (``comm_s``).
+
+    Attributes:
+        group: RoundPipe's own gloo group over ``group``'s ranks (None once torn down at exit).
+        timeout: ``group``'s timeout (a ``datetime.timedelta``), which ``self.group`` has too.
+        aborted: why the group was abandoned (:meth:`abort`), or None.
 
     Raises:
         RuntimeError: torch.distributed is not initialised, or this rank is not in ``group``.
@@ -79,9 +137,15 @@ class Comm:
         # RoundPipe's collectives run on a gloo group of their own over the same ranks (every
         # rank of the group creates it here, in the same order): the gradients are reduced on
         # the host, and the user's own collectives on ``group`` (logging an all-reduced loss,
-        # global_num_items) never interleave with the optimizer thread's.
+        # global_num_items) never interleave with the optimizer thread's. It has the timeout of
+        # the user's group: a failing rank reaches the others within it (module docstring).
+        self.timeout: datetime.timedelta = group_timeout(group)
         self.group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                    use_local_synchronization=True)
+                                    use_local_synchronization=True, timeout=self.timeout)
+        self.store = self.group.get_group_store()
+        self.aborted: Optional[str] = None  # why the group was abandoned
+        _groups.append(self.group)
+        _comms.add(self)
 
     # --- construction --------------------------------------------------------------------------
 
@@ -127,14 +191,74 @@ class Comm:
     def sharded(self, shape: torch.Size) -> bool:
         return self.shard and len(shape) > 0
 
-    # --- collectives -----------------------------------------------------------------------------
+    # --- a failing rank --------------------------------------------------------------------------
+
+    def abort(self, error: BaseException) -> None:
+        """Abandons the group after ``error`` on this rank (idempotent): this rank's pending and
+        later waits raise at once, and the other ranks' within :data:`POLL_S` (the reason is
+        written to the group's store; if the store cannot be reached, their waits end with the
+        group's timeout)."""
+        if self.aborted is not None:
+            return
+        reason = f"rank {self.rank} failed: {type(error).__name__}: {error}"
+        self.aborted = reason
+        try:  # the first rank's reason stays (a rank that saw it fails next, for that reason)
+            self.store.compare_set(_ABORT_KEY, "", reason)
+        except Exception:  # noqa: BLE001 - best effort: the timeout still bounds the others
+            pass
+
+    def check(self) -> None:
+        """Raises ``RuntimeError`` when the group was abandoned (this rank's own failure, or
+        another rank's seen by a wait); nothing is issued on it any more."""
+        if self.aborted is not None:
+            raise RuntimeError(f"RoundPipe: the process group's collectives were abandoned "
+                               f"({self.aborted}); the ranks cannot train on together: restart "
+                               "them (e.g. from the last checkpoint)")
+
+    def _remote_abort(self) -> None:
+        """Marks the group abandoned when another rank wrote why to the store."""
+        try:
+            if not self.store.check([_ABORT_KEY]):
+                return
+            reason = self.store.get(_ABORT_KEY).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - unreachable store: gloo's own timeout still holds
+            return
+        self.aborted = reason
+
+    def _finish(self, work) -> None:
+        """Waits for one collective, looking for an abort every :data:`POLL_S` seconds; its
+        error (a peer gone, the group's timeout) abandons the group. (gloo's collectives used
+        here all honour ``wait(timeout)``; its reduce-scatter does not, it runs inside
+        ``wait()``: see :meth:`reduce_scatter_rows`.)"""
+        poll = datetime.timedelta(seconds=POLL_S)
+        try:
+            while True:
+                self.check()
+                try:
+                    work.wait(timeout=poll)
+                    return
+                except RuntimeError:
+                    if work.is_completed():  # done meanwhile, or failed: its own result
+                        work.wait()
+                        return
+                self._remote_abort()
+        except RuntimeError as e:
+            if not work.is_completed():
+                _abandoned.append(work)  # it ends with the timeout; waited for at exit
+            self.abort(e)
+            raise
 
     def _timed(self, fn, *args, **kwargs):
+        """``fn(*args, async_op=True, **kwargs)`` on the group, waited for (see :meth:`_finish`),
+        counted in ``comm_s``."""
+        self.check()
         start = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            self._finish(fn(*args, async_op=True, **kwargs))
         finally:
             self.stats.add("comm_s", time.perf_counter() - start)
+
+    # --- collectives -----------------------------------------------------------------------------
 
     def smallest(self, value: int) -> int:
         """The smallest of every rank's ``value`` (a collective every rank calls)."""
@@ -160,13 +284,16 @@ class Comm:
 
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> list:
         """Starts summing each tensor in place over the ranks; returns the works to wait for."""
+        self.check()
         return [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors]
 
     def wait(self, works: list) -> None:
         start = time.perf_counter()
-        for w in works:
-            w.wait()
-        self.stats.add("comm_s", time.perf_counter() - start)
+        try:
+            for w in works:
+                self._finish(w)
+        finally:
+            self.stats.add("comm_s", time.perf_counter() - start)
 
     def sum_scalar(self, x: float) -> float:
         """``x`` summed over the ranks (float64; inf and NaN propagate)."""
@@ -181,7 +308,12 @@ class Comm:
         :data:`PIECE` elements per rank: the pieces of every rank's rows packed side by side
         into one reused buffer, then one collective, so no transient allocation (ours or the
         transport's) is larger than a piece — large freed blocks would otherwise stay in
-        the C allocator's heap, measured at several bytes per parameter."""
+        the C allocator's heap, measured at several bytes per parameter.
+
+        The collective is an all-to-all (each rank receives every rank's piece of its rows)
+        and the sum is taken here, in rank order: gloo's reduce-scatter runs inside its
+        ``wait()``, which no timeout or abort can end early (:meth:`_finish`); the bytes sent
+        are the same."""
         out = []
         for g, shape in zip(grads, shapes):
             k, w = self._k_w(shape)
@@ -200,7 +332,10 @@ class Comm:
                         dst[:n].copy_(flat[start:stop])
                     if n < q:
                         dst[n:].zero_()
-                self._timed(_reduce_scatter, mine[lo:lo + q], send, group=self.group)
+                got = pool.take((self.size * q,), torch.float32)
+                self._timed(dist.all_to_all_single, got, send, group=self.group)
+                torch.sum(got.view(self.size, q), dim=0, out=mine[lo:lo + q])
+                pool.give(got)
                 pool.give(send)
             out.append(mine[:(b - a) * w].view(b - a, *shape[1:]))
         return out
@@ -272,9 +407,21 @@ class Reduction:
     divisor = 1.0  # gradients are divided by this (the number of ranks for a mean)
     device_norms = True  # the squared norms measured on the device hold for the step
     sharded = False  # each rank steps only its rows of the optimizer copies
+    comm: Optional[Comm] = None  # the ranks' side, with a process group
 
     def __init__(self, copies) -> None:
         self.copies = copies
+
+    def abort(self, error: BaseException) -> None:
+        """A call failed on this rank with ``error``: with ranks, the group is abandoned on
+        every rank (:meth:`Comm.abort`)."""
+        if self.comm is not None:
+            self.comm.abort(error)
+
+    def check(self) -> None:
+        """Raises ``RuntimeError`` when the ranks' group was abandoned (:meth:`Comm.check`)."""
+        if self.comm is not None:
+            self.comm.check()
 
     def consume(self, stage: int, got: dict[int, torch.Tensor], norms: dict[int, float],
                 owned: bool, keep: set[int]) -> dict[int, torch.Tensor]:

@@ -8,10 +8,12 @@ without a word:
   not require grad" (:func:`finished`). They are otherwise plain detached tensors (``.numpy()``,
   ``+=``, in-place ops, ``copy.deepcopy``, formatting all work), and what is computed from them
   stays a ``Finished`` tensor, so ``F.mse_loss(model(x), y).backward()`` and
-  ``scaler.scale(loss).backward()`` raise the same way;
+  ``scaler.scale(loss).backward()`` raise the same way; ``torch.save`` writes them as plain
+  tensors (``torch.load``'s default ``weights_only=True`` reads them);
 - ``opt.step()`` outside ``model.step(opt)`` on an optimizer over a RoundPipe's optimizer
   copies: their gradients are held by the wrapper until ``model.step``, so the step would
-  change nothing and the gradients would keep accumulating; and stepping, anywhere, an
+  change nothing and the gradients would keep accumulating (also inside another RoundPipe's
+  step function: each model's step applies its own gradients); and stepping, anywhere, an
   optimizer over a RoundPipe's model copies (built on ``model.parameters()`` outside
   ``OptimizerCtx`` while the optimizer copies are separate), which never get a gradient. A
   global optimizer step pre-hook (installed when the first RoundPipe is built, never at
@@ -27,6 +29,7 @@ without a word:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import threading
 import weakref
@@ -62,6 +65,17 @@ class Finished(torch.Tensor):
     def __deepcopy__(self, memo: dict) -> "Finished":
         return self.clone()
 
+    def __reduce_ex__(self, protocol: int):
+        """Pickled (``torch.save``, ``pickle``, multiprocessing) as the plain tensor it views:
+        ``torch.load``'s default ``weights_only=True`` reads it, and reading it needs no
+        roundpipe. The loaded tensor is a plain ``torch.Tensor``."""
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __copy__(self) -> "Finished":
+        """``copy.copy``: still a ``Finished`` tensor (as before :meth:`__reduce_ex__`, which
+        ``copy.copy`` would otherwise use)."""
+        return copy.copy(self.as_subclass(torch.Tensor)).as_subclass(Finished)
+
     def __format__(self, spec: str) -> str:
         if self.dim() == 0:  # f"{loss:.3f}", as for a plain 0-dim tensor
             return self.item().__format__(spec)
@@ -85,8 +99,9 @@ def finished(t: Any) -> Any:
 # --- opt.step() outside model.step, optimizers over the model copies -----------------------------
 
 _copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (weakref to owner, kind)
-_holds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (key, kind)
-_local = threading.local()
+_holds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (key, _held)
+_labels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # owner -> its RoundPipe's name
+_local = threading.local()  # owners: the owners whose step the thread runs, innermost last
 _installed = False
 _install_lock = threading.Lock()
 
@@ -96,12 +111,14 @@ HOW = ("build it on the optimizer copies: opt = roundpipe.optim.AdamW(model.opti
 
 
 def register_copies(optim: Iterable[torch.Tensor], model: Iterable[torch.Tensor],
-                    owner: Any) -> None:
+                    owner: Any, label: str = "a RoundPipe") -> None:
     """Marks ``optim`` as the optimizer copies and ``model`` as the model copies that have a
     separate optimizer copy, of ``owner`` (a RoundPipe's optimizer side, held weakly: a dead
-    owner's tensors are free again), and installs the step pre-hook."""
+    owner's tensors are free again; ``label`` names its RoundPipe in errors), and installs the
+    step pre-hook."""
     global _installed
     ref = weakref.ref(owner)
+    _labels[owner] = label
     for p in model:
         _copies[p] = (ref, "model")
     for p in optim:
@@ -114,13 +131,15 @@ def register_copies(optim: Iterable[torch.Tensor], model: Iterable[torch.Tensor]
 
 
 @contextlib.contextmanager
-def inside_step():
-    """The calling thread runs a RoundPipe step: optimizers over optimizer copies may step."""
-    _local.depth = getattr(_local, "depth", 0) + 1
+def inside_step(owner: Any):
+    """The calling thread runs ``owner``'s step (nestable: a step function may run another
+    RoundPipe's step): optimizers over ``owner``'s optimizer copies may step."""
+    stack = _local.__dict__.setdefault("owners", [])
+    stack.append(owner)
     try:
         yield
     finally:
-        _local.depth -= 1
+        stack.pop()
 
 
 def _kind(p: Any) -> Any:
@@ -137,33 +156,47 @@ def holds(opt: torch.optim.Optimizer) -> Any:
     """``"model"`` when ``opt`` holds a live RoundPipe's model copy (one with a separate
     optimizer copy), else ``"optim"`` when it holds an optimizer copy, else None. Cached per
     optimizer until its parameter lists change."""
+    return _held(opt)[0]
+
+
+def _held(opt: torch.optim.Optimizer) -> tuple:
+    """``(holds(opt), the weak references to the owners of the optimizer copies it holds)``,
+    cached per optimizer until its parameter lists change."""
     key = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
     cached = _holds.get(opt)
     if cached is not None and cached[0] == key:
         return cached[1]
-    kind = None
+    kind, owners = None, []
     for g in opt.param_groups:
         for p in g["params"]:
-            kind = _kind(p) or kind
-            if kind == "model":
-                break
-        if kind == "model":
-            break
+            entry = _copies.get(p)
+            if entry is None or entry[0]() is None:
+                continue
+            if entry[1] == "model":
+                kind = "model"
+            else:
+                kind = kind or "optim"
+                if all(r is not entry[0] for r in owners):
+                    owners.append(entry[0])
+    found = (kind, tuple(owners))
     try:
-        _holds[opt] = (key, kind)
+        _holds[opt] = (key, found)
     except TypeError:  # not weak-referenceable: no cache
         pass
-    return kind
+    return found
 
 
 def _refuse(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    kind = holds(opt)
+    kind, owners = _held(opt)
     if kind == "model":
         raise TypeError(
             f"{type(opt).__name__}.step(): this optimizer holds a RoundPipe model's model copies "
             "(built on model.parameters() outside OptimizerCtx), which are only what the devices "
             f"compute with: they get no gradient and stepping them trains nothing; {HOW}")
-    if kind == "optim" and not getattr(_local, "depth", 0):
+    if kind != "optim":
+        return
+    stepping = getattr(_local, "owners", None)
+    if not stepping:
         raise RuntimeError(
             f"{type(opt).__name__}.step() was called on an optimizer over a RoundPipe model's "
             "optimizer copies outside model.step(): the wrapper holds the accumulated gradients "
@@ -171,6 +204,16 @@ def _refuse(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             "instead of opt.step(); opt.zero_grad() (or model.step(lambda: (opt.step(), "
             "opt.zero_grad())) with a step function of your own); the accumulated gradients "
             "are kept for it")
+    for ref in owners:
+        other = ref()
+        if other is not None and all(other is not s for s in stepping):
+            raise RuntimeError(
+                f"{type(opt).__name__}.step() was called inside the step function of "
+                f"{_labels.get(stepping[-1], 'a RoundPipe')} on an optimizer over the optimizer "
+                f"copies of another model, {_labels.get(other, 'a RoundPipe')}: that model holds "
+                "its own accumulated gradients until its own step, so this step would change "
+                "nothing there. Step each model's optimizer through its own model.step(opt) "
+                "(one optimizer per model)")
 
 
 _refuse.roundpipe_guard = True  # ours: not a user hook (see Steps.layerwise)
@@ -188,6 +231,18 @@ _CLIP_MESSAGE = (
     "opt.step(), opt.zero_grad()))")
 
 
+def _inside_owners_steps(params: list) -> bool:
+    """Whether the calling thread runs the step of every live RoundPipe whose optimizer copy is
+    among ``params`` (their gradients are theirs to apply)."""
+    stepping = getattr(_local, "owners", None) or []
+    for p in params:
+        entry = _copies.get(p) if isinstance(p, torch.Tensor) else None
+        owner = entry[0]() if entry is not None and entry[1] == "optim" else None
+        if owner is not None and all(owner is not s for s in stepping):
+            return False
+    return True
+
+
 def _guarded_clip(original):
     """``original`` (torch's ``clip_grad_norm_``), raising ``RuntimeError`` (see
     :data:`_CLIP_MESSAGE`) before anything is read or changed when ``parameters`` holds a live
@@ -202,7 +257,7 @@ def _guarded_clip(original):
                 # the model copies never get a gradient, inside a step or not
                 raise RuntimeError(_CLIP_MESSAGE.format(what="model copies (model.parameters() "
                                                             "outside OptimizerCtx)"))
-            if "optim" in kinds and not getattr(_local, "depth", 0):
+            if "optim" in kinds and not _inside_owners_steps(params):
                 raise RuntimeError(_CLIP_MESSAGE.format(what="parameters"))
         return original(params, *args, **kwargs)
 

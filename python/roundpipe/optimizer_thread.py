@@ -25,11 +25,13 @@ def _nothing() -> None:
 class OptimizerThread:
     """Args:
         num_layers: number of pipeline layers (for the gates).
-        on_error: called (on the caller's thread) when a background error is raised, before
-            it propagates (the owner discards what the failed work left behind).
+        on_error: ``on_error(error)``, called (on the caller's thread) when a background error
+            is raised, before it propagates (the owner discards what the failed work left
+            behind, and abandons its ranks' collectives).
     """
 
-    def __init__(self, num_layers: int, on_error: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, num_layers: int,
+                 on_error: Callable[[BaseException], None] = lambda e: None) -> None:
         self.worker = Worker("roundpipe-optimizer")
         self.gates = LayerGates(num_layers)
         self._on_error = on_error
@@ -118,7 +120,7 @@ class OptimizerThread:
         self.wait()
         with self._lock:
             e, self._error = self._error, None
-        self._on_error()
+        self._on_error(e)
         try:
             raise e
         finally:

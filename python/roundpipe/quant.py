@@ -44,7 +44,9 @@ weight, as in QLoRA; the dequantized weight lives only while the layer's autogra
 ``state_dict()`` of a :class:`QuantizedLinear` holds ``weight`` dequantized in the model
 dtype under the original name (never the packed codes), so a saved model loads into plain
 transformers/PyTorch with the values RoundPipe computed with; ``load_state_dict`` quantizes an
-incoming ``weight``.
+incoming ``weight``, except one equal to the values the module stands for (in the incoming
+dtype), which keeps its packed form: ``load_state_dict(state_dict())`` is exact in every format
+(``"nf4-dq"`` re-quantized from its own dequantized values would move its absmax).
 """
 
 from __future__ import annotations
@@ -393,7 +395,16 @@ class QuantizedLinear(nn.Module):
             error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
                               f"{tuple(w.shape)}, the shape in current model is {self.weight_shape}")
             return
-        codes, scales = quantize(w.to("cpu"), self.frozen_dtype)
+        w = w.detach().to("cpu")
+        if w.is_floating_point() and torch.equal(w, dequantize(
+                self.weight_codes.detach(), _loaded(self.weight_scales.detach()),
+                self.frozen_dtype, self.weight_shape, w.dtype)):
+            # the values this module already stands for (a state_dict() round trip, a
+            # checkpoint it saved): its packed form is kept, bit for bit ("nf4-dq" re-quantized
+            # from its own lossy absmax would drift)
+            codes, scales = self.weight_codes.detach(), _loaded(self.weight_scales.detach())
+        else:
+            codes, scales = quantize(w, self.frozen_dtype)
         state_dict[prefix + "weight_codes"] = codes
         state_dict[prefix + "weight_scales"] = _stored(scales)
 

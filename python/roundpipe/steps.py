@@ -162,7 +162,7 @@ class Steps:
                  reduction: Optional[Reduction] = None) -> None:
         self.copies, self.stats = copies, stats
         self.reduction = reduction or Reduction(copies)
-        self.thread = OptimizerThread(num_layers, on_error=self.discard)
+        self.thread = OptimizerThread(num_layers, on_error=self._failed)
         self._hooked: "weakref.WeakSet" = weakref.WeakSet()
         self._reaching: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._warned_idle = False                   # a step function that changed nothing
@@ -226,6 +226,7 @@ class Steps:
                 sharded optimizer copies; a layer-by-layer ``opt`` holds a parameter of a dtype
                 it cannot step (TypeError), raised before the pass.
         """
+        self.reduction.check()
         if opt is not None:
             self.check_reaches(opt, "RoundPipe.forward_backward")
         scale = self._begin_call(scaler, exact=opt is not None)
@@ -240,7 +241,8 @@ class Steps:
             yield Call(scale, want, self._grad_sink(exact))
             self.thread.wait(earlier)  # that step's error surfaces in this call
             self.thread.raise_error()
-        except BaseException:
+        except BaseException as e:
+            self.reduction.abort(e)  # with ranks: theirs and this rank's waits end now
             self.thread.wait()
             self.discard()
             raise
@@ -273,6 +275,12 @@ class Steps:
         background error, zero_grad): the next call starts the step afresh."""
         self.copies.clear_grads()
         self._scaler, self._scale, self._called = None, None, False
+
+    def _failed(self, error: BaseException) -> None:
+        """Background work failed with ``error`` (raised now): with ranks, their collectives
+        are abandoned (:mod:`roundpipe.distributed`); the gradients are discarded."""
+        self.reduction.abort(error)
+        self.discard()
 
     # --- loss scale of a call --------------------------------------------------------------------------
 
@@ -506,6 +514,7 @@ class Steps:
              clip: Optional[Clip] = None) -> Any:
         """``RoundPipe.step`` (arguments already checked)."""
         copies = self.copies
+        self.reduction.check()
         if is_async:
             self.thread.raise_error()
         else:
@@ -515,7 +524,11 @@ class Steps:
             copies.refresh_from_model()
         if not is_async:
             plan = self._plan(step_fn, True, [], scaler, scale, clip, now=True)
-            return self.thread.run_now(functools.partial(self._step_job, plan), ())
+            try:
+                return self.thread.run_now(functools.partial(self._step_job, plan), ())
+            except BaseException as e:
+                self.reduction.abort(e)  # with ranks: the others must not wait for this one
+                raise
         shared = [i for i in range(len(copies)) if copies.index.shared[i]]
         behind = copies.begin_async_step()
         plan = self._plan(step_fn, False, behind, scaler, scale, clip)
@@ -655,7 +668,7 @@ class Steps:
                   [(o, tensor_version(o), o.detach().reshape(-1)[:1].clone())
                    for o, g in zip(copies.optim, grads) if g is not None])
         try:
-            with OptimizerCtx(), guards.inside_step():
+            with OptimizerCtx(), guards.inside_step(self):
                 result = plan.fn()
         finally:
             for o in copies.optim:

@@ -25,11 +25,17 @@ unchanged since torch 2.6, the oldest version ``pyproject.toml`` accepts.
   :func:`module_buffers`): a module's own parameters and buffers, entries registered as None
   included: the dicts a layer's tensors are swapped into while it runs (what
   ``torch.func.functional_call`` swaps too, at several times the cost per call).
+- ``ProcessGroup._get_backend(device).options._timeout`` (:func:`group_timeout`): the timeout a
+  user's process group was made with (``init_process_group(timeout=...)``), which the gloo
+  group RoundPipe makes for its own collectives inherits; torch has no public getter (when the
+  options cannot be read, ``distributed_c10d._get_default_timeout``: the backend's default).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
+
+import datetime
 
 import torch
 from torch import nn
@@ -38,7 +44,7 @@ from torch.utils import _pytree
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["tree_map", "tree_flatten", "tree_unflatten", "step_hooks", "init_hook_registries",
-           "mark_stepped", "tensor_version", "tensor_base", "module_buffers"]
+           "mark_stepped", "tensor_version", "tensor_base", "module_buffers", "group_timeout"]
 
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     """``torch.utils._pytree.tree_map(fn, tree)``: ``fn`` applied to every leaf, the
@@ -110,3 +116,19 @@ def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
     """``module``'s own buffers by name (not its children's), None entries included: the
     dict itself, whose values :func:`roundpipe.pipeline.execute.run_layers` swaps."""
     return module._buffers
+
+
+def group_timeout(group: Any) -> datetime.timedelta:
+    """The timeout ``group`` (a ``torch.distributed`` process group) was made with: its
+    backend's options, for the first device type it serves; torch's default for the group's
+    backend when they cannot be read."""
+    import torch.distributed as dist
+
+    for device in getattr(group, "_device_types", ()):
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    return dist.distributed_c10d._get_default_timeout(dist.get_backend(group))

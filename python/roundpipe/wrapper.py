@@ -296,7 +296,8 @@ class RoundPipe(nn.Module):
                 self._copies, self._comm)
         self._steps = Steps(self._copies, len(self._layers), self._stats, reduction)
         guards.register_copies(self._copies.optim, [m for m, o in zip(
-            self._copies.model, self._copies.optim) if m is not o], self._steps)
+            self._copies.model, self._copies.optim) if m is not o], self._steps,
+            f"{type(self).__name__}({type(self.module).__name__}) at {id(self):#x}")
         if self.devices[0].type == "cuda":
             from .transfer.cuda import CudaIO, HostWrites
             writes = HostWrites()

@@ -21,6 +21,7 @@ fixed costs (the interpreter, torch, transformers).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -39,6 +40,27 @@ SINGLE = "model.safetensors"
 _PLAIN_LORA_INITS = (True, False, "gaussian")
 
 
+@contextlib.contextmanager
+def _opened(file: str):
+    """``safetensors.safe_open(file)``; a file safetensors cannot read (a corrupt or truncated
+    shard) raises ``ValueError`` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        f = safe_open(file, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{WHO}: path: {file} is not a readable safetensors file ({e}); "
+                         "is it corrupt or truncated? Save or download it again") from e
+    with f:
+        yield f
+
+
+def _is_floating(safetensors_dtype: str) -> bool:
+    """Whether a safetensors dtype name (``"F32"``, ``"BF16"``, ``"F8_E4M3"``, ``"I32"``, ...)
+    is a floating type."""
+    return safetensors_dtype.startswith(("F", "BF"))
+
+
 def checkpoint_files(path: str) -> dict[str, list[str]]:
     """The safetensors files of the checkpoint in directory ``path`` and the tensor names each
     holds: ``{file path: [names]}``, from ``model.safetensors.index.json`` (sharded) or
@@ -46,7 +68,8 @@ def checkpoint_files(path: str) -> dict[str, list[str]]:
 
     Raises:
         ValueError: ``path`` is not a directory, or has no safetensors weights (e.g. only
-            ``pytorch_model.bin``), or its index has no ``weight_map``.
+            ``pytorch_model.bin``), or its index has no ``weight_map``, or its
+            ``model.safetensors`` is not readable (named).
         FileNotFoundError: a shard the index names is missing (the message names it).
     """
     if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
@@ -69,9 +92,7 @@ def checkpoint_files(path: str) -> dict[str, list[str]]:
         return files
     single = os.path.join(path, SINGLE)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
+        with _opened(single) as f:
             return {single: list(f.keys())}
     raise ValueError(f"{WHO}: path: {path} has no {SINGLE} or {INDEX} (only safetensors "
                      "checkpoints are read; re-save a .bin checkpoint with save_pretrained)")
@@ -167,33 +188,37 @@ def _plan(model: nn.Module, holders: dict[int, list[str]], files: dict[str, list
           path: str) -> dict[str, tuple[str, list[int]]]:
     """``{checkpoint name: (file, [placeholder ids])}``: what each checkpoint tensor is read
     into (a persistent buffer: no ids), checked against ``model``: every name is a parameter or
-    persistent buffer of the same shape, and every placeholder (``holders``) is given.
+    persistent buffer of the same shape and kind of dtype (floating or not: a floating one is
+    cast to the model's dtype, as transformers casts it, an integer one never is), and every
+    placeholder (``holders``) is given.
 
     Raises:
-        ValueError: a name the model does not have, a shape that differs, or a parameter the
-            checkpoint lacks (the message names up to five).
+        ValueError: a name the model does not have, a shape or kind of dtype that differs, or
+            a parameter the checkpoint lacks (the message names up to five, with the file); a
+            shard safetensors cannot read (named).
     """
-    from safetensors import safe_open
-
     targets: dict[str, list[int]] = {}
     shapes: dict[str, tuple] = {}
+    floating: dict[str, torch.dtype] = {}  # name -> the model's dtype
     for key, names in holders.items():
         for name in names:
             ids = targets.setdefault(_checkpoint_name(name), [])
             if key not in ids:
                 ids.append(key)
             shapes[_checkpoint_name(name)] = tuple(model.get_parameter(name).shape)
+            floating[_checkpoint_name(name)] = model.get_parameter(name).dtype
     persistent = set(model.state_dict(keep_vars=True))
     for name, b in model.named_buffers():
         if name in persistent:
             targets.setdefault(name, [])
             shapes[name] = tuple(b.shape)
+            floating[name] = b.dtype
     ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None)
                                       or [])]
     todo: dict[str, tuple[str, list[int]]] = {}
-    unexpected, wrong = [], []
+    unexpected, wrong, kinds = [], [], []
     for file, names in files.items():
-        with safe_open(file, framework="pt") as f:
+        with _opened(file) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
@@ -203,9 +228,13 @@ def _plan(model: nn.Module, holders: dict[int, list[str]], files: dict[str, list
                     if not any(p.search(name) for p in ignore):
                         unexpected.append(name)
                     continue
-                shape = tuple(f.get_slice(name).get_shape())
+                piece = f.get_slice(name)
+                shape = tuple(piece.get_shape())
                 if shape != shapes[name]:
                     wrong.append(f"{name} {shape} (the model's: {shapes[name]})")
+                if _is_floating(piece.get_dtype()) != floating[name].is_floating_point:
+                    kinds.append(f"{name} in {os.path.basename(file)} is {piece.get_dtype()} "
+                                 f"(the model's: {floating[name]})")
                 todo[name] = (file, targets[name])
     type_name = type(model).__name__
     if unexpected:
@@ -216,6 +245,10 @@ def _plan(model: nn.Module, holders: dict[int, list[str]], files: dict[str, list
     if wrong:
         raise ValueError(f"{WHO}: path: {path} does not match {type_name}: shapes differ for "
                          f"{', '.join(wrong[:5])}")
+    if kinds:
+        raise ValueError(f"{WHO}: path: {path} does not match {type_name}: dtypes differ "
+                         f"(floating against integer) for {', '.join(kinds[:5])}; a tensor "
+                         "of the wrong kind would be cast silently")
     given = {key for _, ids in todo.values() for key in ids}
     missing = [names[0] for key, names in holders.items() if key not in given]
     if missing:
@@ -235,8 +268,6 @@ def _load(model: nn.Module, holders: dict[int, list[str]],
     """Reads every tensor of ``todo`` into ``model`` in place of its placeholders (see the
     module docstring); the modules named in ``quantized`` become :class:`QuantizedLinear` as
     their weight is read."""
-    from safetensors import safe_open
-
     # the placeholders live until the end, so that their ids (the keys) are not reused
     placeholders = [model.get_parameter(names[0]) for names in holders.values()]
     parents: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -245,7 +276,7 @@ def _load(model: nn.Module, holders: dict[int, list[str]],
             if child is not None:
                 parents.setdefault(id(child), []).append((parent, child_name))
     for key, (file, ids) in todo.items():
-        with safe_open(file, framework="pt") as f:
+        with _opened(file) as f:
             t = f.get_tensor(key)  # memory-mapped: pages are read as they are used
         if not ids:  # a persistent buffer
             with torch.no_grad():
@@ -309,7 +340,9 @@ def from_pretrained(path: str, frozen_dtype: Optional[str] = None,
     Raises:
         ValueError: ``path`` is not a directory, has no safetensors checkpoint or holds one
             already quantized, an architecture that is not a transformers causal LM, tensor
-            names or shapes that do not match the model, or a parameter the checkpoint lacks;
+            names, shapes or kinds of dtype (a floating parameter given an integer tensor, or
+            the reverse) that do not match the model, or a parameter the checkpoint lacks; a
+            shard safetensors cannot read (corrupt, truncated: the message names the file);
             a bad ``frozen_dtype`` / ``torch_dtype``; ``frozen_dtype`` without ``peft_config``;
             a ``peft_config`` that is not LoRA or whose adapters are computed from the base
             (``init_lora_weights`` "pissa", "olora", "loftq", ..., or ``use_dora``). All before

@@ -28,6 +28,8 @@ except ImportError as e:  # pragma: no cover - exercised by a test with trl hidd
     raise ImportError("roundpipe.hf.RoundPipeSFTTrainer needs TRL: pip install trl "
                       "(tested with trl 1.16; or pip install 'roundpipe[trainer]')") from e
 
+from transformers import Trainer
+
 from .trainer import RoundPipeTrainerMixin, _WrapModel
 
 
@@ -44,6 +46,8 @@ class RoundPipeSFTTrainer(RoundPipeTrainerMixin, SFTTrainer, _WrapModel):
         ValueError: ``loss_type`` other than ``"nll"``, and everything
             :class:`roundpipe.hf.RoundPipeTrainer` refuses.
     """
+
+    _rp_builtin_loss = (Trainer, SFTTrainer)  # TRL's compute_loss: its metrics, see above
 
     def __init__(self, *pos: Any, **kwargs: Any) -> None:
         args = kwargs.get("args", pos[1] if len(pos) > 1 else None)

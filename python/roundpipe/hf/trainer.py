@@ -7,7 +7,9 @@ plugs RoundPipe in as DeepSpeed plugs into Trainer:
 - the model is wrapped with :func:`roundpipe.wrap_model_to_roundpipe` before ``Trainer.__init__``
   sees it (``roundpipe_kwargs`` are the wrapper's options, plus ``step_mode``);
 - ``training_step`` runs ``forward_backward`` with HF's built-in whole-batch loss and the
-  ``num_items_in_batch`` Trainer computed over the accumulation window (and across ranks);
+  ``num_items_in_batch`` Trainer computed over the accumulation window (and across ranks), or
+  with the trainer's own loss (a ``compute_loss`` override, ``compute_loss_func``) called per
+  microbatch (:mod:`roundpipe.hf.trainer_loss`);
 - the optimizer Trainer holds is :class:`StepProxy`: it shares the param groups and state of the
   real optimizer (built on ``optim_parameters()``; LR schedulers work unchanged) and its
   ``step()`` is ``model.step(real_optimizer, grad_scaler=..., max_grad_norm=...)`` (clipping and
@@ -39,12 +41,13 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..grad_scaler import GradScaler
 from ..torch_private import init_hook_registries
 from ..wrapper import RoundPipe
+from . import trainer_loss
 from .loss import TokenStats, count_items, token_stats
 
 STEP_MODES = ("sync", "exact", "async")
 STATE_DIR = "roundpipe_state"  # inside a Trainer checkpoint folder: roundpipe.save_checkpoint's
 _SCHEDULER_NAME = "scheduler.pt"
-_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels")
+_INPUT_KEYS = trainer_loss.MODEL_KEYS + ("labels",)
 # what a padding-free collator (TRL's) adds for varlen kernels: the sequence boundaries that
 # position_ids already give (transformers' mask functions, roundpipe.hf.packed read them there)
 _BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -170,6 +173,10 @@ class RoundPipeTrainerMixin:
     decide whether the scheduler advances).
     """
 
+    # the trainer classes whose compute_loss RoundPipe's training_step replaces by the pipeline's
+    # chunked causal-LM loss; an override in any other class is the trainer's own loss
+    _rp_builtin_loss: tuple = (Trainer,)
+
     def __init__(self, *pos: Any, roundpipe_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
         rp_kwargs = dict(roundpipe_kwargs or {})
         if not isinstance(roundpipe_kwargs, (dict, type(None))):
@@ -187,9 +194,6 @@ class RoundPipeTrainerMixin:
         training_args = kwargs.get("args", pos[1] if len(pos) > 1 else None)
         if training_args is not None:
             self._check_arguments(training_args)
-        if kwargs.get("compute_loss_func") is not None:
-            raise ValueError("RoundPipeTrainer: compute_loss_func is not supported: the loss is "
-                             "HF's causal-LM loss, computed in chunks inside the pipeline")
         if kwargs.get("model_init") is not None:
             raise ValueError("RoundPipeTrainer: model_init is not supported (Trainer would "
                              "replace the wrapped model by an unwrapped one); pass model=")
@@ -197,6 +201,7 @@ class RoundPipeTrainerMixin:
         self._rp_mode = mode
         self._rp_scaler: Optional[GradScaler] = None
         self._rp_norm: Optional[torch.Tensor] = None
+        self._rp_loss: Optional[str] = None  # a loss of the trainer's own (_check_after_init)
         super().__init__(*pos, **kwargs)
         if self.args.fp16:
             self._rp_scaler = GradScaler()
@@ -220,6 +225,7 @@ class RoundPipeTrainerMixin:
                              f"supported: {', '.join(_SUPPORTED_OPTIM)} (roundpipe.optim.AdamW, "
                              "Adafactor, SGD), or pass optimizers=(opt, None) with an optimizer "
                              "built on model.optim_parameters()")
+        _optimizer_cls_and_kwargs(args)  # optim_args refused here, not at the first step
         on = [n for n in ("activation_checkpointing", "gradient_checkpointing")
               if getattr(args, n, None)]
         if on:
@@ -235,11 +241,15 @@ class RoundPipeTrainerMixin:
                              "RoundPipe keeps only the stage inputs, on the host, already")
 
     def _check_after_init(self) -> None:
-        """What can only be seen on the built trainer (a ``compute_loss_func`` passed
-        positionally)."""
-        if self.compute_loss_func is not None:
-            raise ValueError("RoundPipeTrainer: compute_loss_func is not supported: the loss is "
-                             "HF's causal-LM loss, computed in chunks inside the pipeline")
+        """What can only be seen on the built trainer: a loss of its own (a ``compute_loss``
+        override or ``compute_loss_func``, see :mod:`roundpipe.hf.trainer_loss`), refused
+        for a MoE model whose router auxiliary loss HF adds to the model's loss."""
+        self._rp_loss = trainer_loss.loss_override(self, self._rp_builtin_loss)
+        routing = getattr(self.model, "_routing", None)
+        if self._rp_loss is not None and routing is not None and routing.coef is not None:
+            raise ValueError(f"RoundPipeTrainer: a {self._rp_loss} of the trainer's own is not "
+                             "supported for a MoE model with output_router_logits=True (the "
+                             "router auxiliary loss is added to the built-in loss only)")
 
     # --- model and accelerate -------------------------------------------------------------------
 
@@ -325,6 +335,11 @@ class RoundPipeTrainerMixin:
                 cls, kwargs = self.optimizer_cls_and_kwargs
             else:
                 cls, kwargs = _optimizer_cls_and_kwargs(self.args)
+                if self.args.optim == "adafactor":
+                    warnings.warn("RoundPipeTrainer: optim='adafactor' runs "
+                                  "roundpipe.optim.Adafactor, which has torch.optim.Adafactor's "
+                                  "algorithm (not transformers' Adafactor)", UserWarning,
+                                  stacklevel=2)
             real = cls(groups, **kwargs)
         self.optimizer = StepProxy(real, self)
         return self.optimizer
@@ -400,6 +415,9 @@ class RoundPipeTrainerMixin:
                 if v is None or k in ("use_cache", "return_dict") or (
                         k in _BOUNDARY_KEYS and inputs.get("position_ids") is not None):
                     continue
+                if self._rp_loss:  # extra columns: a loss of the trainer's own may read them
+                    out[k] = v.cpu() if isinstance(v, torch.Tensor) else v
+                    continue
                 raise TypeError(f"RoundPipeTrainer.{where}: the batch holds {k!r}, which the "
                                 "RoundPipe HF model does not take (it takes "
                                 f"{', '.join(_INPUT_KEYS)})")
@@ -409,11 +427,20 @@ class RoundPipeTrainerMixin:
 
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """One batch of the accumulation window through ``forward_backward`` (HF's built-in
-        loss, divided by ``num_items_in_batch`` as Trainer's model call does); returns what
-        Trainer's ``training_step`` returns, on ``args.device``."""
+        loss, divided by ``num_items_in_batch`` as Trainer's model call does; or the trainer's
+        own ``compute_loss`` per microbatch, see :mod:`roundpipe.hf.trainer_loss`); returns
+        what Trainer's ``training_step`` returns, on ``args.device``."""
         rp = self.model
         rp.train()
         batch = self._host_inputs(inputs, "training_step")
+        step_kwargs = self._step_kwargs()
+        if self._rp_loss:
+            ranks = 1
+            if rp.process_group is not None and rp.grad_reduction == "sum":
+                ranks = torch.distributed.get_world_size(rp.process_group)
+            loss = trainer_loss.training_loss(self, rp, batch, num_items_in_batch, ranks,
+                                              **step_kwargs)
+            return loss.detach().to(self.args.device)
         if "labels" not in batch:
             raise ValueError("RoundPipeTrainer: the batch has no labels (the pipeline computes "
                              "HF's causal-LM loss from them)")
@@ -431,6 +458,12 @@ class RoundPipeTrainerMixin:
             elif self.args.n_gpu > 1:
                 num *= self.args.n_gpu
         batch["num_items_in_batch"] = num
+        loss = rp.forward_backward(input_kwargs=batch, **step_kwargs)
+        return (loss.detach() * scale).to(self.args.device)
+
+    def _step_kwargs(self) -> dict:
+        """``forward_backward``'s step arguments for this batch: the loss scaler, and in exact
+        mode on the window's last batch the optimizer (and clipping)."""
         step_kwargs: dict = {"grad_scaler": self._rp_scaler}
         last = self.accelerator.gradient_state.sync_gradients
         if self._rp_mode == "exact" and last:
@@ -439,16 +472,16 @@ class RoundPipeTrainerMixin:
             clip = self.args.max_grad_norm
             step_kwargs.update(optimizer=self.optimizer.real,
                                max_grad_norm=float(clip) if clip and clip > 0 else None)
-        loss = rp.forward_backward(input_kwargs=batch, **step_kwargs)
-        return (loss.detach() * scale).to(self.args.device)
+        return step_kwargs
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool,
                         ignore_keys: Optional[list] = None):
         """Evaluation of a batch: with labels and ``prediction_loss_only``, the loss through the
         pipeline without the logits (the chunked loss, summed over the batch's scored tokens and
         divided by ``num_items_in_batch`` as Trainer's ``compute_loss`` does); otherwise the
-        wrapper's ``forward`` (full logits on the host). Pending optimizer work is finished
-        first (asynchronous mode: the weights are synchronized)."""
+        wrapper's ``forward`` (full logits on the host), and with a loss of the trainer's own
+        its ``compute_loss`` on them. Pending optimizer work is finished first (asynchronous
+        mode: the weights are synchronized)."""
         rp = self.model
         rp.synchronize()
         rp.eval()
@@ -456,9 +489,13 @@ class RoundPipeTrainerMixin:
         labels = batch.get("labels")
         if labels is None:
             with torch.no_grad():
-                out = rp(**batch)
+                out = rp(**trainer_loss.model_inputs(batch))
             return None, (None if prediction_loss_only else out.logits), None
         num = self._get_num_items_in_batch([inputs], self.args.device)
+        if self._rp_loss:
+            loss, logits = trainer_loss.evaluation_loss(self, rp, batch, num)
+            loss = loss.to(self.args.device)
+            return (loss, None, None) if prediction_loss_only else (loss, logits, labels)
         if prediction_loss_only and getattr(rp, "_routing", None) is None:
             with torch.no_grad():
                 sums = RoundPipe.forward(rp, **batch)    # each microbatch's Postfix sums
@@ -547,6 +584,33 @@ class RoundPipeTrainerMixin:
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
         """Nothing: loaded with the RoundPipe checkpoint."""
 
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights into the RoundPipe (both
+        copies), as plain Trainer loads them into its model: the full-precision weights of its
+        RoundPipe checkpoint (every rank takes part); without one (``save_only_model=True``),
+        the PEFT adapter or the HF weights ``save_model`` wrote (the model copy's dtype)."""
+        best = self.state.best_model_checkpoint
+        if os.path.isdir(os.path.join(best, STATE_DIR)):
+            load_checkpoint(os.path.join(best, STATE_DIR), self.model)
+            return
+        peft_model = self.model.peft_model
+        if peft_model is None:
+            return super()._load_best_model()  # model.safetensors into RoundPipe.load_state_dict
+        from peft.utils import get_peft_model_state_dict, load_peft_weights
+
+        # the adapter file's keys are PeftModel.state_dict()'s without the adapter name: PEFT's
+        # own renaming, applied to the live parameters, gives the key of each
+        live = peft_model.state_dict(keep_vars=True)
+        names = {id(t): k for k, t in live.items()}
+        saved_keys = {k: names[id(t)] for k, t in get_peft_model_state_dict(
+            peft_model, state_dict=live).items()}
+        adapter = load_peft_weights(best, device="cpu")
+        unknown = sorted(set(adapter) - set(saved_keys))
+        if unknown:
+            raise ValueError(f"RoundPipeTrainer: the adapter of the best checkpoint {best!r} "
+                             f"holds tensors this model has not: {unknown[:5]}")
+        self.model.load_state_dict({saved_keys[k]: t for k, t in adapter.items()}, strict=False)
+
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
         """``save_model``: ``save_pretrained`` of the wrapped model (an HF checkpoint, or the PEFT
         adapter; every rank takes part, rank 0 writes), the tokenizer and the arguments."""
@@ -562,25 +626,47 @@ class RoundPipeTrainerMixin:
 
 
 def _optimizer_cls_and_kwargs(args: Any) -> tuple[type, dict]:
-    """``TrainingArguments.optim`` as a ``roundpipe.optim`` class and its keyword arguments
-    (those Trainer gives the torch class)."""
+    """``TrainingArguments.optim`` and ``optim_args`` as a ``roundpipe.optim`` class and its
+    keyword arguments: those transformers gives the torch class
+    (``Trainer.get_optimizer_cls_and_kwargs``: ``optim_args`` parsed as it parses them, e.g.
+    ``"momentum=0.9,nesterov=False"`` for SGD), for ``roundpipe.optim``'s class of the same name
+    (``optim="adafactor"``: ``roundpipe.optim.Adafactor`` with ``lr``).
+
+    Raises:
+        ValueError: naming ``optim_args``, when they are not ``key=value`` pairs, when
+            transformers would ignore one of them for this optimizer (for ``adamw_*`` and
+            ``adafactor`` it reads none), or when the optimizer refuses a value (it is built
+            once on a stand-in tensor to check them).
+    """
     from .. import optim as rpo
 
-    extra = {}
+    where = f"RoundPipeTrainer: optim_args={args.optim_args!r}"
+    try:
+        torch_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    except ValueError as e:  # a pair without "=", a number that does not parse
+        raise ValueError(f"{where} (optim={getattr(args.optim, 'value', args.optim)!r}): {e}; "
+                         "give comma-separated key=value pairs, e.g. "
+                         "'momentum=0.9,nesterov=False'") from e
+    if args.optim == "adafactor":
+        cls, kwargs = rpo.Adafactor, {"lr": args.learning_rate}
+    else:
+        cls = getattr(rpo, torch_cls.__name__)  # AdamW, SGD
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}
     if args.optim_args:
-        for pair in args.optim_args.replace(" ", "").split(","):
-            key, value = pair.split("=")
-            extra[key] = float(value) if value.replace(".", "", 1).replace("e-", "", 1).isdigit() \
-                else value
-    if args.optim in _ADAMW:
-        return rpo.AdamW, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
-                           "eps": args.adam_epsilon, **extra}
-    if args.optim == "sgd":
-        return rpo.SGD, {"lr": args.learning_rate, **extra}
-    warnings.warn("RoundPipeTrainer: optim='adafactor' runs roundpipe.optim.Adafactor, which has "
-                  "torch.optim.Adafactor's algorithm (not transformers' Adafactor)", UserWarning,
-                  stacklevel=3)
-    return rpo.Adafactor, {"lr": args.learning_rate, **extra}
+        keys = [pair.split("=")[0] for pair in args.optim_args.replace(" ", "").split(",")]
+        ignored = [k for k in keys if k not in kwargs]
+        if ignored:
+            raise ValueError(
+                f"{where}: transformers ignores {', '.join(map(repr, ignored))} for "
+                f"optim={getattr(args.optim, 'value', args.optim)!r} (plain Trainer would "
+                "train without them); remove them, or pass optimizers=(opt, None) with "
+                f"roundpipe.optim.{cls.__name__}(trainer.model.optim_parameters(), ...) built "
+                "as you want it")
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: roundpipe.optim.{cls.__name__} refuses {kwargs}: {e}") from e
+    return cls, kwargs
 
 
 class _WrapModel(Trainer):
@@ -606,6 +692,7 @@ class _WrapModel(Trainer):
             if self._rp_kwargs:
                 raise TypeError("RoundPipeTrainer: roundpipe_kwargs are for a model the trainer "
                                 "wraps; this one is already wrapped")
+            _warn_ignored_precision(model, args)
             return model
         if model is None or not is_hf_model(model):
             raise TypeError("RoundPipeTrainer: model must be a transformers causal LM, a "
@@ -616,15 +703,59 @@ class _WrapModel(Trainer):
             kwargs.setdefault("device", "cpu")
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         optim_dtype = kwargs.pop("optim_dtype", None)
-        if dtype is not None:
-            if optim_dtype is None:
-                optim_dtype = torch.float32
-            model = model.to(dtype)
         world = args.world_size  # sets up torch.distributed under torchrun, as Trainer does
         if world > 1 and torch.distributed.is_initialized():
             kwargs["process_group"] = torch.distributed.group.WORLD
             kwargs["grad_reduction"] = "sum" if args.average_tokens_across_devices else "mean"
-        return wrap_model_to_roundpipe(model, optim_dtype, **kwargs)
+        undo = lambda: None  # noqa: E731
+        if dtype is not None:
+            if optim_dtype is None:
+                optim_dtype = torch.float32
+            undo = _cast(model, dtype)
+        try:
+            return wrap_model_to_roundpipe(model, optim_dtype, **kwargs)
+        except BaseException:
+            undo()  # a refused roundpipe_kwargs (or model) leaves the user's model as it was
+            raise
+
+
+def _cast(model: nn.Module, dtype: torch.dtype):
+    """``model.to(dtype)`` in place (the model copy ``bf16`` / ``fp16`` ask for), and the function
+    that undoes it exactly: every parameter, its data, every buffer and each quantized linear's
+    compute dtype as before (they are held until then: a wrapper that refuses its arguments
+    after the cast must leave the user's model as it was)."""
+    from ..quant import QuantizedLinear
+
+    params = [(m, n, p, p.data) for m in model.modules() for n, p in m._parameters.items()
+              if p is not None]
+    buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items()]
+    computes = [(m, m.compute_dtype) for m in model.modules() if isinstance(m, QuantizedLinear)]
+    model.to(dtype)
+
+    def undo() -> None:
+        for m, n, p, data in params:
+            p.data = data
+            m._parameters[n] = p
+        for m, n, b in buffers:
+            m._buffers[n] = b
+        for m, compute_dtype in computes:
+            m.compute_dtype = compute_dtype
+
+    return undo
+
+
+def _warn_ignored_precision(model: RoundPipe, args: Any) -> None:
+    """A model wrapped before the trainer keeps the dtype it was wrapped with: ``bf16=True`` /
+    ``fp16=True`` that ask for another one are ignored, with a ``UserWarning`` saying so."""
+    want = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    have = next((p.dtype for p in model.module.parameters() if p.is_floating_point()), None)
+    if want is not None and have is not None and have != want:
+        flag = "bf16" if args.bf16 else "fp16"
+        warnings.warn(f"RoundPipeTrainer: {flag}=True is ignored: the model was wrapped before "
+                      f"the trainer, with a {have} model copy, which RoundPipe computes in (no "
+                      f"autocast). To train in {want}, wrap model.to({want}) with "
+                      "optim_dtype=torch.float32, or give the trainer the unwrapped model",
+                      UserWarning, stacklevel=5)
 
 
 class RoundPipeTrainer(RoundPipeTrainerMixin, _WrapModel):
