@@ -29,4 +29,4 @@ mkdir -p build/floors
 ln -sfn "$site" build/floors/roundpipe
 PYTHONPATH=build/floors .venv-floors/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_hf.py tests/test_generate.py tests/test_trainer.py tests/test_trainer_sft.py \
-  tests/test_trainer_modes.py tests/test_loading.py
+  tests/test_trainer_modes.py tests/test_loading.py tests/test_layer_host_waits.py

@@ -12,6 +12,8 @@ hidden         ``(B, S, H)`` model dtype           the activation (the only tens
 position_ids   ``(1, S)`` or ``(B, S)`` int64      HF's mask functions and attention kernels
 attention_mask ``(B, S)`` as given, or None        the padding mask, 2D: each decoder layer
                                                    builds its 4D mask from it on the device
+mask_kind      ``"causal"``, ``"padded"`` or None  what that mask is, decided once per
+                                                   microbatch on the host (:func:`mask_kind`)
 labels         ``(B, S)`` int64, shifted, or None  read by the postfix (the loss)
 cos, sin       ``(1 or B, S, head_dim)`` bit       rotary embedding, computed once per
                pattern as an integer tensor        microbatch by the prefix
@@ -35,6 +37,12 @@ the default positions) — a few percent of the hidden state for real sizes. Two
   (``create_causal_mask`` / ``create_sliding_window_causal_mask``, for the configured attention
   implementation) on the 2D mask, on the device, as HF's model forward does once per call: the
   same mask, for ``O(B·S²)`` elementwise work against attention's ``O(B·S²·hidden)``.
+- No layer asks the device what its mask is. HF's mask functions decide it with a Python
+  ``if`` on the 2D mask (``padding_mask.all()``) or on the positions (packed sequences): on a
+  GPU each is a host wait for the device to finish the work issued so far, once per layer and
+  microbatch, forward and recomputation. :func:`mask_kind` decides it once per microbatch from
+  the host's tensors, and the layers call HF's function so that it does not look (the same
+  mask: see :func:`mask_kind`).
 - cos/sin travel as their bit patterns in an integer tensor (``Tensor.view(torch.int16)`` for
   bf16/fp16, ``int32`` for fp32): the pipeline attaches gradients only to floating stage inputs,
   so no gradient is computed for them or sent back through every layer; the decoder layer views
@@ -61,6 +69,35 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(_BITS[t.element_size()])
 
 
+def mask_kind(inputs: dict) -> Optional[str]:
+    """What each decoder layer's attention mask is for one microbatch's inputs (the prefix's
+    keyword arguments: ``attention_mask`` ``(B, S_kv)``, ``position_ids`` ``(1 or B, S)``,
+    ``kv`` for a pass with a KV cache), decided where those tensors are (the host, normally:
+    no device wait; on a device, one wait per microbatch instead of one per layer):
+
+    - ``"causal"``: no padding (no ``attention_mask``, or one of ones) and, without a mask or
+      a cache, positions counting up by one (no packed sequences). HF's mask functions give
+      the plain causal mask for these inputs, the same as for no mask and no positions, which
+      is what the layers pass them (nothing for them to read).
+    - ``"padded"``: a 2D mask with a zero: HF's check would find the padding and build the
+      mask, so the layers build it without the check (``allow_is_causal_skip=False``, where
+      the installed transformers has it), except a sliding-window layer with a cache, whose
+      view of the mask (the window) may hold no padding.
+    - None: anything else (packed sequences, a mask that is not 2D): HF's functions decide
+      per layer.
+    """
+    mask = inputs.get("attention_mask")
+    cached = inputs.get("kv") is not None
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            return None
+        return "causal" if bool(mask.all()) else "padded"
+    pos = inputs.get("position_ids")
+    if cached or pos is None or pos.shape[-1] < 2:
+        return "causal"
+    return "causal" if bool((torch.diff(pos, dim=-1) == 1).all()) else None
+
+
 class Prefix(nn.Module):
     """Layer 0: token embeddings, position ids, rotary cos/sin (once per microbatch), shifted
     labels. Takes the keyword arguments of HF's ``ForCausalLM.forward`` that RoundPipe supports."""
@@ -78,7 +115,7 @@ class Prefix(nn.Module):
                 position_ids: Optional[torch.Tensor] = None,
                 inputs_embeds: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, kv: Any = None,
-                logits_to_keep: Any = 0) -> dict:
+                logits_to_keep: Any = 0, mask_kind: Optional[str] = None) -> dict:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("RoundPipe (Hugging Face model): give exactly one of input_ids "
                              "and inputs_embeds")
@@ -92,6 +129,7 @@ class Prefix(nn.Module):
             suffix = "" if kind is None else "." + kind
             rope["cos" + suffix], rope["sin" + suffix] = _as_bits(cos), _as_bits(sin)
         state = {"hidden": hidden, "position_ids": position_ids, "attention_mask": attention_mask,
+                 "mask_kind": mask_kind,
                  "labels": None if labels is None else shift_labels(labels),
                  **rope, "rope_dtype": cos.dtype}
         if kv is not None:
@@ -130,14 +168,27 @@ class Decoder(nn.Module):
         params = inspect.signature(layer.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.rope_suffix = "" if rope_type is None else "." + rope_type
+        # whether HF's mask function can be told not to look at a padded mask (newer 5.x)
+        self._no_skip = "allow_is_causal_skip" in inspect.signature(base).parameters
+
+    def _mask(self, state: dict, hidden: torch.Tensor, cache: Any):
+        """The layer's 4D mask (or None: SDPA's ``is_causal``), from HF's mask function, told
+        what :func:`mask_kind` found so that it reads nothing on the device."""
+        kind = state.get("mask_kind")
+        if kind == "causal":
+            return self.mask_fn(self.config, hidden, None, cache, None)
+        look = (kind != "padded" or not self._no_skip
+                or (cache is not None and self.sliding_window is not None))
+        extra = {} if look else {"allow_is_causal_skip": False}
+        # positional: the 4th parameter is the cache (named past_key_values before 5.x renames)
+        return self.mask_fn(self.config, hidden, state["attention_mask"], cache,
+                            state["position_ids"], **extra)
 
     def forward(self, state: dict) -> dict:
         hidden = state["hidden"]
         kv = state.get("kv")
         cache = None if kv is None else kv.view(self.index)
-        # positional: the 4th parameter is the cache (named past_key_values before 5.x renames)
-        mask = self.mask_fn(self.config, hidden, state["attention_mask"], cache,
-                            state["position_ids"])
+        mask = self._mask(state, hidden, cache)
         dtype = state["rope_dtype"]
         rope = (state["cos" + self.rope_suffix].view(dtype),
                 state["sin" + self.rope_suffix].view(dtype))

@@ -11,7 +11,7 @@ from torch import nn
 from ..quant import refuse_foreign_quantization
 from ..wrapper import RoundPipe
 from . import moe, save
-from .layers import Decoder, Postfix, Prefix, RoutingState
+from .layers import Decoder, Postfix, Prefix, RoutingState, mask_kind
 from .loss import TokenStats, count_items
 from .packed import packed_starts, split_packed
 from .parts import Parts, check_logits, disable_gradient_checkpointing
@@ -63,6 +63,13 @@ class HFRoundPipe(RoundPipe):
         self.peft_model = peft
         self.loss_chunk_size = loss_chunk_size
         self._routing = routing
+
+    def _microbatches(self, args, kwargs, label, num_microbatch) -> list:
+        """The call's microbatches (:meth:`RoundPipe._microbatches`, ``split_fn``), each told
+        its :func:`~roundpipe.hf.layers.mask_kind` here, on the host, so that no decoder layer
+        has to ask the device."""
+        return [(a, {**kw, "mask_kind": mask_kind(kw)}, lab)
+                for a, kw, lab in super()._microbatches(args, kwargs, label, num_microbatch)]
 
     def _last_stage_fence(self, layers: list[nn.Module]) -> tuple[int, str]:
         """With the router auxiliary loss on, no MoE decoder layer may be in the last stage:
