@@ -219,3 +219,27 @@ def test_fp16_resume_restores_the_grad_scaler(tmp_path):
     got = [h for h in tc.train_logs(resumed.state.log_history) if h["step"] > 4]
     assert_same_logs(got, after)
     assert resumed._rp_scaler.get_scale() == full._rp_scaler.get_scale() == 2.0 ** 15
+
+
+@pytest.mark.parametrize("flag, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_mixed_precision_starts_the_optimizer_copies_at_the_users_weights(tmp_path, flag, dtype):
+    """bf16=True / fp16=True: the model copy is rounded to that dtype, but the fp32 optimizer
+    copies start at the user's fp32 weights, as plain Trainer's fp32 parameters do under
+    mixed precision, not at their rounding (which would move every weight by up to half a
+    bf16 step before training starts, and updates smaller than that step would then
+    accumulate from the wrong value)."""
+    model = tc.make_model("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    reset_accelerate()
+    trainer = RoundPipeTrainer(model=model, args=tc.training_args(
+                                   tmp_path, **{flag: True}, eval_strategy="no", max_steps=1),
+                               train_dataset=tc.TokenData(8),
+                               roundpipe_kwargs={"device": "cpu"})
+    assert trainer.model.module.dtype == dtype
+    copies = dict(trainer.model.optim_named_parameters())
+    assert copies and set(copies) <= set(before)
+    for name, copy in copies.items():
+        assert copy.dtype == torch.float32
+        assert torch.equal(copy, before[name]), name
+    # the rounding would have changed them: the test tells the two apart
+    assert not all(torch.equal(before[n].to(dtype).float(), before[n]) for n in copies)

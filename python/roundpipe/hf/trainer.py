@@ -708,15 +708,38 @@ class _WrapModel(Trainer):
             kwargs["process_group"] = torch.distributed.group.WORLD
             kwargs["grad_reduction"] = "sum" if args.average_tokens_across_devices else "mean"
         undo = lambda: None  # noqa: E731
+        exact: dict = {}
         if dtype is not None:
             if optim_dtype is None:
                 optim_dtype = torch.float32
+            # the trained parameters' values before the cast (the tensors the cast replaces)
+            exact = {n: p.detach() for n, p in model.named_parameters()
+                     if p.requires_grad and p.is_floating_point()}
             undo = _cast(model, dtype)
         try:
-            return wrap_model_to_roundpipe(model, optim_dtype, **kwargs)
+            wrapped = wrap_model_to_roundpipe(model, optim_dtype, **kwargs)
         except BaseException:
             undo()  # a refused roundpipe_kwargs (or model) leaves the user's model as it was
             raise
+        _start_optimizer_copies_exact(wrapped, exact)
+        return wrapped
+
+
+def _start_optimizer_copies_exact(model: RoundPipe, exact: dict) -> None:
+    """The optimizer copies of a model the trainer cast to ``bf16`` / ``fp16`` start at the
+    user's weights (``exact``: name -> the tensor before the cast), as plain Trainer's fp32
+    parameters do under ``bf16=True``, not at their rounding to the model copy's dtype (the
+    model copy keeps its rounding: it is what the first forward computes with either way)."""
+    if not exact:
+        return
+    rows = model.optim_shard_rows()
+    with torch.no_grad():
+        for name, copy in model.optim_named_parameters():
+            src = exact.get(name)
+            if src is None or src.dtype != copy.dtype:  # e.g. optim_dtype=bf16: nothing to keep
+                continue
+            r = rows.get(name)
+            copy.copy_(src if r is None else src[r[0]:r[1]])
 
 
 def _cast(model: nn.Module, dtype: torch.dtype):
@@ -771,7 +794,8 @@ class RoundPipeTrainer(RoundPipeTrainerMixin, _WrapModel):
 
     ``model`` is a transformers causal LM (fp32, or any dtype), a ``PeftModel`` around one, or
     a model already wrapped by :func:`roundpipe.wrap_model_to_roundpipe`. ``fp16=True`` /
-    ``bf16=True`` make the model copy fp16 / bf16 with fp32 optimizer copies (no autocast);
+    ``bf16=True`` make the model copy fp16 / bf16 with fp32 optimizer copies (no autocast)
+    that start at the model's fp32 weights, not at their rounding;
     ``fp16`` adds a :class:`roundpipe.GradScaler`. See :class:`RoundPipeTrainerMixin` for
     ``roundpipe_kwargs`` and docs/huggingface.md ("With Hugging Face Trainer and TRL") for what each
     ``TrainingArguments`` field does.
