@@ -2,11 +2,13 @@
 async or exact, default exact; batch 4 x 1024, 4 microbatches, the automatic plan): after the
 plan settles, one call under torch.profiler (CPU and CUDA activities: a Chrome trace), one
 under cProfile (the calling thread, which issues a one-device pass: its 40 most expensive
-functions), and two calls with the CUDA memory history recorded (a snapshot for
+functions), one with CUDA's sync debug mode (how many calls made the host wait for the
+device, and where), and two calls with the CUDA memory history recorded (a snapshot for
 pytorch.org/memory_viz). Everything goes into $OUT/profile.tar (traces gzipped)."""
 
 from __future__ import annotations
 
+import collections
 import cProfile
 import gzip
 import io
@@ -16,6 +18,7 @@ import pstats
 import shutil
 import tarfile
 import time
+import warnings
 
 import torch
 
@@ -48,6 +51,16 @@ for _ in range(6):  # the plan settles
     times.append(time.time() - start)
 model.synchronize()
 print(f"{MODE}: seconds per call {[round(t, 3) for t in times]}; plan {model.plan()}", flush=True)
+if not SMOKE:  # what in one call makes the host wait for the device (item(), .cpu(), ...)
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+        model.synchronize()
+    torch.cuda.set_sync_debug_mode(0)
+    sites = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught)
+    print(f"{MODE}: {len(caught)} synchronizing CUDA calls in one call (no decoder layer should "
+          f"make one); most frequent {sites.most_common(6)}", flush=True)
 work = os.path.join(OUT, "profile")
 os.makedirs(work, exist_ok=True)
 activities = [torch.profiler.ProfilerActivity.CPU]
