@@ -176,3 +176,22 @@ def test_hugging_face_moe_keeps_its_moe_layers_out_of_the_last_stage():
         w.step(opt)
     sizes = w.plan().sizes
     assert sizes[-1] == 1 and len(sizes) >= 2, sizes  # the postfix alone, the rest together
+
+
+def test_a_quantized_base_is_planned_with_its_dense_weights_resident_and_packed_upload():
+    """NF4 frozen weights: a stage holds the packed bytes and the dense weights they are
+    dequantized into, but its upload copies only the packed bytes. The planner's inputs say
+    both: the uploaded bytes are what the device I/O counts copying the layers once (a forward
+    pass), and what each layer holds adds the dense weight (out x in x 4 bytes, fp32 here)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Linear(64, 8))
+    for m in (net[0], net[2]):
+        m.weight.requires_grad_(False)
+    model = RoundPipe(net, torch.float32, device="cpu", frozen_dtype="nf4")
+    costs = model._staging.costs(1, 6)
+    with torch.no_grad():
+        model(torch.randn(6, 64))
+    copied = model.pipeline_stats()["h2d_weight_bytes"] + model.pipeline_stats()["h2d_buffer_bytes"]
+    assert sum(c.uploaded for c in costs) == copied
+    dense = [128 * 64 * 4, 0, 64 * 128 * 4, 0]
+    assert [c.weight_bytes - c.uploaded for c in costs] == dense

@@ -54,7 +54,8 @@ def _random_layers(rng: random.Random, n: int, frozen_prefix: int = 0) -> list[L
         w = rng.choice([1, 2, 4, 8]) * 10**8
         trainable = i >= frozen_prefix
         out.append(LayerCost(w, 2 * w if trainable else 0, rng.choice([1, 3]) * 10**8,
-                             rng.uniform(1e-3, 8e-3), rng.uniform(2e-3, 16e-3), trainable))
+                             rng.uniform(1e-3, 8e-3), rng.uniform(2e-3, 16e-3), trainable,
+                             rng.choice([None, None, w // 4])))  # some quantized: packed upload
     return out
 
 
@@ -132,14 +133,16 @@ def test_a_frozen_prefix_gets_no_backward_visit_in_the_prediction():
             predict([heavier] + rest, sizes, 2, 1, LINK))
 
 
-def test_predict_by_hand_for_two_stages_on_one_device():
+@pytest.mark.parametrize("packed", [None, 40])
+def test_predict_by_hand_for_two_stages_on_one_device(packed):
     """Two stages of one layer, M = 2: upload of stage 0, its forward visit overlapping stage
     1's upload, stage 1's only visit (forward + backward) overlapping stage 0's upload and its
-    own download, stage 0's backward visit and its download."""
-    a = LayerCost(100, 200, 10, 1.0, 2.0, True)
+    own download, stage 0's backward visit and its download. ``packed``: stage 0 as a quantized
+    base, whose upload copies 40 of the 100 bytes it holds (the rest is dequantized there)."""
+    a = LayerCost(100, 200, 10, 1.0, 2.0, True, upload_bytes=packed)
     b = LayerCost(300, 400, 10, 3.0, 4.0, True)
     link = Link(upload_bytes_per_s=10.0, download_bytes_per_s=100.0, visit_s=0.5, chunk_s=0.25)
-    up = lambda x: x.weight_bytes / 10.0  # noqa: E731
+    up = lambda x: (x.weight_bytes if x.upload_bytes is None else x.upload_bytes) / 10.0  # noqa
     comp = lambda x, back: 2 * (x.forward_s + (x.backward_s if back else 0) + 0.25) + 0.5  # noqa
     expect = (up(a) + max(comp(a, False), up(b)) + max(comp(b, True), up(a), 4.0)
               + max(comp(a, True), 2.0))

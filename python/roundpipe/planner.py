@@ -40,8 +40,8 @@ class LayerCost:
     """What the planner knows of one layer.
 
     Attributes:
-        weight_bytes: its parameters and buffers on the device (model dtype; packed bytes
-            for a quantized frozen base).
+        weight_bytes: its parameters and buffers on the device (model dtype; for a quantized
+            frozen base its packed bytes and the dense weights they are dequantized into).
         grad_bytes: its gradient sums on the device during a backward visit, which are also
             what is downloaded (float32 per trainable element with several microbatches, the
             model dtype with one); 0 for a frozen layer.
@@ -50,6 +50,8 @@ class LayerCost:
         forward_s: seconds for one microbatch without autograd.
         backward_s: seconds for one microbatch's recomputation with autograd and backward.
         trainable: it holds a trainable parameter.
+        upload_bytes: what its upload copies, bytes (None: ``weight_bytes``; less for a
+            quantized frozen base, whose dense weights are made on the device).
     """
 
     weight_bytes: int
@@ -58,6 +60,12 @@ class LayerCost:
     forward_s: float
     backward_s: float
     trainable: bool
+    upload_bytes: Optional[int] = None
+
+    @property
+    def uploaded(self) -> int:
+        """Bytes its upload copies host to device."""
+        return self.weight_bytes if self.upload_bytes is None else self.upload_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -164,7 +172,7 @@ def predict(layers: Sequence[LayerCost], sizes: Sequence[int], num_microbatch: i
         return M * (seconds + link.chunk_s) + link.visit_s
 
     def upload(s: int) -> float:
-        return part(s, "weight_bytes") / link.upload_bytes_per_s
+        return part(s, "uploaded") / link.upload_bytes_per_s
 
     def download(s: int, backward: bool) -> float:
         return part(s, "grad_bytes") / link.download_bytes_per_s if backward else 0.0
@@ -185,9 +193,10 @@ class _Sums:
     """Prefix sums of the layers' costs: a stage's totals in O(1)."""
 
     def __init__(self, layers: Sequence[LayerCost]) -> None:
+        # w: uploaded bytes, g: gradient bytes, dev: device bytes, f/b: forward/backward s
         self.w, self.g, self.dev, self.f, self.b = [0.0], [0.0], [0], [0.0], [0.0]
         for layer in layers:
-            self.w.append(self.w[-1] + layer.weight_bytes)
+            self.w.append(self.w[-1] + layer.uploaded)
             self.g.append(self.g[-1] + layer.grad_bytes)
             self.dev.append(self.dev[-1] + layer.device_bytes)
             self.f.append(self.f[-1] + layer.forward_s)

@@ -102,23 +102,24 @@ def measured_link(stats: dict, device_type: str) -> Link:
     return Link(up, up, VISIT_S, CHUNK_S)
 
 
-def _layer_bytes(layer: nn.Module) -> tuple[int, int, int]:
+def _layer_bytes(layer: nn.Module) -> tuple[int, int, int, int]:
     """A layer's device bytes (its distinct parameters and buffers, and the dense weights a
-    quantized frozen base is dequantized into for a visit), and the element count and item
-    size of its trainable parameters."""
+    quantized frozen base is dequantized into for a visit), the bytes its upload copies (the
+    parameters and buffers alone), and the element count and item size of its trainable
+    parameters."""
     from .quant import QuantizedLinear
 
     seen: dict[int, torch.Tensor] = {}
     for t in list(layer.parameters()) + list(layer.buffers()):
         seen[id(t)] = t
-    weights = sum(t.numel() * t.element_size() for t in seen.values())
-    weights += sum(math.prod(m.weight_shape) * m.compute_dtype.itemsize
+    uploaded = sum(t.numel() * t.element_size() for t in seen.values())
+    weights = uploaded + sum(math.prod(m.weight_shape) * m.compute_dtype.itemsize
                    for m in {id(m): m for m in layer.modules()
                              if isinstance(m, QuantizedLinear)}.values())
     trainable = [t for t in layer.parameters() if t.requires_grad]
     numel = sum(t.numel() for t in {id(t): t for t in trainable}.values())
     itemsize = max((t.element_size() for t in trainable), default=4)
-    return weights, numel, itemsize
+    return weights, uploaded, numel, itemsize
 
 
 class Staging:
@@ -228,9 +229,9 @@ class Staging:
     def costs(self, num_microbatch: int, elements: int) -> list[LayerCost]:
         """Every layer's :class:`LayerCost` for microbatches of ``elements`` elements."""
         m = self.meter
-        first = next((i for i, (_, n, _) in enumerate(self.static) if n), self.num_layers - 1)
+        first = next((i for i, (*_, n, _) in enumerate(self.static) if n), self.num_layers - 1)
         out = []
-        for i, (weights, numel, itemsize) in enumerate(self.static):
+        for i, (weights, uploaded, numel, itemsize) in enumerate(self.static):
             forward = m.forward_s[i] if m.forward_s[i] is not None else m.recompute_s[i]
             forward = forward or 0.0
             if i < first:       # recomputed without anything to differentiate, never backward
@@ -240,7 +241,7 @@ class Staging:
                     (m.backward_s[i] or 2 * forward)
             grad = numel * (4 if num_microbatch > 1 else itemsize)
             out.append(LayerCost(weights, grad, int(math.ceil(m.act_bytes[i] * elements)),
-                                 forward * elements, backward * elements, numel > 0))
+                                 forward * elements, backward * elements, numel > 0, uploaded))
         return out
 
     def _plan(self, num_microbatch: int, elements: int, link: Link, why: str) -> StagePlan:
