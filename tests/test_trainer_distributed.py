@@ -42,3 +42,22 @@ def test_two_gloo_ranks_equal_plain_trainer_on_the_whole_batch_and_resume_in_one
     resumed = run_ours("llama", tmp_path / "resumed", resume=str(checkpoint))
     got = [h for h in tc.train_logs(resumed.state.log_history) if h["step"] > 10]
     assert_same_logs(got, [h for h in ref_logs if h["step"] > 10])
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_bf16_optimizer_copies_start_at_rank_0s_fp32_weights_on_every_rank(tmp_path, shard):
+    """bf16=True under two ranks whose models start from different weights: the wrapper takes
+    rank 0's model copy on every rank (as DDP), and every rank's fp32 optimizer copies (its
+    rows, sharded) hold rank 0's fp32 weights, not its own and not their bf16 rounding."""
+    for r in launcher.launch("trainer_ranks.py", 2, tmp_path, 1, "1" if shard else "0",
+                             "bf16-start", timeout=300):
+        assert r.returncode == 0, r.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    origin = ranks[0]["before"]
+    assert any(not torch.equal(origin[n], ranks[1]["before"][n]) for n in origin)
+    for got in ranks:
+        assert got["copies"]
+        for name, copy in got["copies"].items():
+            rows = got["rows"][name]
+            want = origin[name] if rows is None else origin[name][rows[0]:rows[1]]
+            assert copy.dtype == torch.float32 and torch.equal(copy, want), name

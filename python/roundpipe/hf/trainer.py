@@ -729,15 +729,22 @@ def _start_optimizer_copies_exact(model: RoundPipe, exact: dict) -> None:
     """The optimizer copies of a model the trainer cast to ``bf16`` / ``fp16`` start at the
     user's weights (``exact``: name -> the tensor before the cast), as plain Trainer's fp32
     parameters do under ``bf16=True``, not at their rounding to the model copy's dtype (the
-    model copy keeps its rounding: it is what the first forward computes with either way)."""
+    model copy keeps its rounding: it is what the first forward computes with either way).
+    With a process group, rank 0's weights, as the wrapper took rank 0's model copy: each is
+    broadcast over RoundPipe's host group (a collective: every rank calls this)."""
     if not exact:
         return
     rows = model.optim_shard_rows()
+    group = model.host_process_group
+    src_rank = None if group is None else torch.distributed.get_global_rank(group, 0)
     with torch.no_grad():
         for name, copy in model.optim_named_parameters():
             src = exact.get(name)
             if src is None or src.dtype != copy.dtype:  # e.g. optim_dtype=bf16: nothing to keep
                 continue
+            if group is not None:  # into a copy: the user's tensor is left as it was
+                src = src.clone()
+                torch.distributed.broadcast(src, src_rank, group=group)
             r = rows.get(name)
             copy.copy_(src if r is None else src[r[0]:r[1]])
 
