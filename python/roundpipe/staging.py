@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -102,11 +102,18 @@ def measured_link(stats: dict, device_type: str) -> Link:
     return Link(up, up, VISIT_S, CHUNK_S)
 
 
-def _layer_bytes(layer: nn.Module) -> tuple[int, int, int, int]:
-    """A layer's device bytes (its distinct parameters and buffers, and the dense weights a
-    quantized frozen base is dequantized into for a visit), the bytes its upload copies (the
-    parameters and buffers alone), and the element count and item size of its trainable
-    parameters."""
+class _LayerBytes(NamedTuple):
+    """What a layer's sizes say of it, before anything is measured."""
+
+    weights: int   # device bytes: its distinct parameters and buffers, and the dense weights
+                   # a quantized frozen base is dequantized into for a visit
+    uploaded: int  # what its upload copies: the parameters and buffers alone
+    numel: int     # elements of its trainable parameters
+    itemsize: int  # their item size, bytes
+
+
+def _layer_bytes(layer: nn.Module) -> _LayerBytes:
+    """A layer's :class:`_LayerBytes`."""
     from .quant import QuantizedLinear
 
     seen: dict[int, torch.Tensor] = {}
@@ -119,7 +126,7 @@ def _layer_bytes(layer: nn.Module) -> tuple[int, int, int, int]:
     trainable = [t for t in layer.parameters() if t.requires_grad]
     numel = sum(t.numel() for t in {id(t): t for t in trainable}.values())
     itemsize = max((t.element_size() for t in trainable), default=4)
-    return weights, uploaded, numel, itemsize
+    return _LayerBytes(weights, uploaded, numel, itemsize)
 
 
 class Staging:
@@ -229,7 +236,7 @@ class Staging:
     def costs(self, num_microbatch: int, elements: int) -> list[LayerCost]:
         """Every layer's :class:`LayerCost` for microbatches of ``elements`` elements."""
         m = self.meter
-        first = next((i for i, (*_, n, _) in enumerate(self.static) if n), self.num_layers - 1)
+        first = next((i for i, b in enumerate(self.static) if b.numel), self.num_layers - 1)
         out = []
         for i, (weights, uploaded, numel, itemsize) in enumerate(self.static):
             forward = m.forward_s[i] if m.forward_s[i] is not None else m.recompute_s[i]

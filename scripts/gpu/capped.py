@@ -15,7 +15,8 @@ import torch
 
 import roundpipe
 import roundpipe.optim as rpo
-from common import DEVICE, SMOKE, batch, build, empty_cache, llama_config, peak_gib, reset_peak, save, sync
+from common import (DEVICE, SMOKE, batch, build, empty_cache, llama_config, peak_gib,
+                    reset_peak, save, sync, train_step)
 
 CAP_GB = float(os.environ.get("CAP_GB", "3"))
 cfg = llama_config()
@@ -40,13 +41,7 @@ for mode in ("sync", "async", "exact"):
     try:
         for _ in range(4):
             start = time.time()
-            kw = {"input_kwargs": {"input_ids": ids, "labels": ids}}
-            if mode == "exact":
-                loss = model.forward_backward(**kw, optimizer=opt)
-            else:
-                loss = model.forward_backward(**kw)
-                model.step(opt, is_async=mode == "async")
-            losses.append(loss.item())
+            losses.append(train_step(model, opt, ids, mode).item())
             sync()
             seconds.append(time.time() - start)
         model.synchronize()

@@ -51,6 +51,18 @@ def batch(cfg, rows: int, seq: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(seed))
 
 
+def train_step(model, opt, ids: torch.Tensor, mode: str) -> torch.Tensor:
+    """One training step of an HF model wrapped by RoundPipe on the token batch ``ids`` (its own
+    labels) in ``mode``: "exact" (the step inside forward_backward), "sync" or "async"
+    (``model.step(opt, is_async=...)`` after it). Returns the loss."""
+    kw = {"input_kwargs": {"input_ids": ids, "labels": ids}}
+    if mode == "exact":
+        return model.forward_backward(**kw, optimizer=opt)
+    loss = model.forward_backward(**kw)
+    model.step(opt, is_async=mode == "async")
+    return loss
+
+
 def sync() -> None:
     if not SMOKE:
         torch.cuda.synchronize()

@@ -24,7 +24,7 @@ import torch
 
 import roundpipe
 import roundpipe.optim as rpo
-from common import DEVICE, OUT, SMOKE, batch, build, llama_config, save, sync
+from common import DEVICE, OUT, SMOKE, batch, build, llama_config, save, sync, train_step
 
 MODE = os.environ.get("MODE", "exact")
 cfg = llama_config()
@@ -35,12 +35,7 @@ ids = batch(cfg, 4, 1024)
 
 
 def call():
-    kw = {"input_kwargs": {"input_ids": ids, "labels": ids}}
-    if MODE == "exact":
-        return model.forward_backward(**kw, optimizer=opt)
-    loss = model.forward_backward(**kw)
-    model.step(opt, is_async=MODE == "async")
-    return loss
+    return train_step(model, opt, ids, MODE)
 
 
 times = []
