@@ -107,8 +107,12 @@ def build_llama(args, dtype: torch.dtype, device: str) -> nn.Module:
     return model.cpu()
 
 
-def device_index(device: str) -> torch.device:
-    """``device`` as a ``torch.device`` (torch 2.11's memory statistics refuse a string)."""
+def cuda_device(device: str) -> torch.device:
+    """``device`` as a ``torch.device``, CUDA initialised: torch's memory statistics
+    (``reset_peak_memory_stats`` first of all) fail with "Invalid device argument" until
+    something has initialised the caching allocator, and nothing has before the first
+    contender builds its model."""
+    torch.cuda.init()
     return torch.device(device)
 
 
@@ -139,8 +143,8 @@ class _Contender:
             return
         if self.cuda:
             torch.cuda.empty_cache()
-            base = torch.cuda.memory_reserved(device_index(devices[0]))
-            torch.cuda.reset_peak_memory_stats(device_index(devices[0]))
+            base = torch.cuda.memory_reserved(cuda_device(devices[0]))
+            torch.cuda.reset_peak_memory_stats(cuda_device(devices[0]))
         try:
             self._build()
             self.iteration(self._batch())  # warm-up: threads, allocator, optimizer state
@@ -152,7 +156,7 @@ class _Contender:
             torch.cuda.empty_cache()
             return
         if self.cuda:  # what this contender added at its peak, over the others' memory
-            self.reserved_gib = (torch.cuda.max_memory_reserved(device_index(devices[0]))
+            self.reserved_gib = (torch.cuda.max_memory_reserved(cuda_device(devices[0]))
                                  - base) / 2**30
 
     def _build(self) -> None:
@@ -335,7 +339,7 @@ class FsdpOffloadRun(TorchRun):
             os.environ.setdefault("MASTER_PORT", str(port))
             dist.init_process_group("nccl" if self.cuda else "gloo", rank=0, world_size=1)
             if self.cuda:
-                torch.cuda.set_device(device_index(self.devices[0]))
+                torch.cuda.set_device(cuda_device(self.devices[0]))
         net = self.net.float()  # fp32 master weights on the host, compute in the model dtype
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy() if self.cuda else None
@@ -435,7 +439,7 @@ def bounds(rows: list[dict], args, peak_gb_s) -> dict:
 def pinned_copy_peak_gb_s(device: str, megabytes: int = 256, repeats: int = 5) -> float:
     """Host-to-device bandwidth of a pinned copy of ``megabytes`` MB (best of ``repeats``)."""
     host = torch.empty(megabytes << 20, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(host, device=device_index(device))
+    dev = torch.empty_like(host, device=cuda_device(device))
     best = 0.0
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
