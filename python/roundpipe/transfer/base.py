@@ -102,6 +102,17 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class Done:
+    """What a scope of copies marks (:meth:`DeviceIO._upload_stream`,
+    :meth:`DeviceIO._download_stream`): ``event``, set as the scope ends (None: the copies
+    are done already, as on the CPU device)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event: Any = None
+
+
 _current = threading.local()
 
 
@@ -146,32 +157,49 @@ class DeviceIO:
         """Context the worker runs a pass in (CUDA: its device and compute stream)."""
         return contextlib.nullcontext()
 
-    def _copy_to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def _device_like(self, host: torch.Tensor, parameter: bool) -> torch.Tensor:
+        """An uninitialised device tensor for a copy of ``host`` (a parameter's: where
+        :meth:`_fill` will put it; the CPU device uses the host memory itself)."""
         raise NotImplementedError
+
+    def _fill(self, dev: torch.Tensor, host: torch.Tensor, parameter: bool) -> None:
+        """Copies ``host`` into ``dev`` (from :meth:`_device_like`), asynchronously where the
+        device allows (CUDA: on the current stream; read by the compute)."""
+        raise NotImplementedError
+
+    def _copy_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A device copy of host tensor ``t``."""
+        dev = self._device_like(t, False)
+        self._fill(dev, t, False)
+        return dev
 
     def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-    def _upload_parameter(self, t: torch.Tensor) -> torch.Tensor:
-        """A parameter's tensor on the device (default: a copy, as every other upload)."""
-        return self._copy_to_device(t)
 
     def _keep_for_compute(self, t: torch.Tensor) -> None:
         """``t`` was made on the device during an upload and is read by the compute (CUDA:
         its memory is not reused before the compute stream is done with it)."""
 
-    def _begin_upload(self) -> None:
-        """Before a stage's weights are copied (CUDA: switch to the weights stream)."""
+    @contextlib.contextmanager
+    def _upload_stream(self):
+        """Around the whole of a stage's upload (CUDA: on the weights stream); yields a
+        :class:`Done` whose ``event`` marks the end of everything issued inside, set when
+        the block ends."""
+        yield Done()
 
-    def _end_upload(self, nbytes: int) -> Any:
-        """After; returns the event marking the end of the copies."""
-        return None
+    @contextlib.contextmanager
+    def _timed_copies(self, nbytes: int):
+        """Around an upload's copies alone, ``nbytes`` of them (the allocations are made
+        before, a quantized base's dequantization after): their time is ``upload_s``, from
+        which the planner takes the link's bandwidth."""
+        yield
 
-    def _begin_download(self) -> None:
-        """Before device-to-host copies (CUDA: the down stream waits for the compute)."""
-
-    def _end_download(self) -> Any:
-        return None
+    @contextlib.contextmanager
+    def _download_stream(self):
+        """Around device-to-host copies (CUDA: on the down stream, after the compute issued so
+        far); yields a :class:`Done` whose ``event`` marks the copies, set when the block
+        ends."""
+        yield Done()
 
     def host_wait(self, event: Any) -> None:
         """Blocks the calling thread (without spinning) until the copies marked by ``event``
@@ -216,42 +244,51 @@ class DeviceIO:
         host parameter requires grad require grad too, as the model's own parameters do (a
         forward visit runs under ``no_grad``, so nothing collects a gradient), because torch's
         kernels choose by it. Returns the weights and the event of the copies."""
-        self._begin_upload()
         copies: dict[int, torch.Tensor] = {}
+        pending: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (host, device, param)
+        buffers: list[tuple[torch.Tensor, torch.Tensor, int]] = []     # (host, device, owner)
         weights = StageWeights([])
-        for refs in layers:
-            placed = []
-            for ref in refs:
-                t = copies.get(id(ref.host))
-                if t is None:
-                    t = copies[id(ref.host)] = (self._copy_to_device(ref.host) if ref.is_buffer
-                                                else self._upload_parameter(ref.host))
-                    size = nbytes(t)
-                    weights.nbytes += size
-                    if ref.is_buffer:
-                        self.stats.moved("h2d", "buffer", size)
-                        weights.buffers.append((ref.host, t, tensor_version(t), ref.owner))
-                    else:
-                        self.stats.moved("h2d", "weight", size)
-                        if with_grad:
-                            if ref.index is not None and ref.host.requires_grad:
+        with self._upload_stream() as done:
+            for refs in layers:
+                placed = []
+                for ref in refs:
+                    t = copies.get(id(ref.host))
+                    if t is None:
+                        t = copies[id(ref.host)] = self._device_like(ref.host, not ref.is_buffer)
+                        pending.append((ref.host, t, not ref.is_buffer))
+                        size = nbytes(t)
+                        weights.nbytes += size
+                        if ref.is_buffer:
+                            self.stats.moved("h2d", "buffer", size)
+                            buffers.append((ref.host, t, ref.owner))
+                        else:
+                            self.stats.moved("h2d", "weight", size)
+                            if with_grad:
+                                if ref.index is not None and ref.host.requires_grad:
+                                    t.requires_grad_(True)
+                                    weights.trainable.append((ref.index, t))
+                            elif ref.host.requires_grad:
+                                # as in the user's model (no graph is built: forward visits
+                                # run under no_grad). torch.matmul decides on it: a linear on
+                                # a non-contiguous 3-d input (batch_first attention's
+                                # in_proj) with a weight that does not require grad runs as a
+                                # bmm of tiny matrices, several times slower and rounding
+                                # differently from the single GEMM plain PyTorch and our
+                                # recomputation run.
                                 t.requires_grad_(True)
-                                weights.trainable.append((ref.index, t))
-                        elif ref.host.requires_grad:
-                            # as in the user's model (no graph is built: forward visits run
-                            # under no_grad). torch.matmul decides on it: a linear on a
-                            # non-contiguous 3-d input (batch_first attention's in_proj) with
-                            # a weight that does not require grad runs as a bmm of tiny
-                            # matrices, several times slower and rounding differently from
-                            # the single GEMM plain PyTorch and our recomputation run.
-                            t.requires_grad_(True)
-                placed.append((ref.sites, t))
-            weights.layers.append(placed)
-        for dense in dequantize_uploaded(layers, copies):  # behind the copies, see its doc
-            weights.nbytes += nbytes(dense)
-            weights.derived.append(dense)
-            self._keep_for_compute(dense)
-        return weights, self._end_upload(weights.nbytes)
+                    placed.append((ref.sites, t))
+                weights.layers.append(placed)
+            with self._timed_copies(weights.nbytes), torch.no_grad():
+                for host, dev, parameter in pending:
+                    self._fill(dev, host, parameter)
+            # each buffer's version once it holds the upload (write_back_buffers compares)
+            weights.buffers = [(host, dev, tensor_version(dev), owner)
+                               for host, dev, owner in buffers]
+            for dense in dequantize_uploaded(layers, copies):  # behind the copies, see its doc
+                weights.nbytes += nbytes(dense)
+                weights.derived.append(dense)
+                self._keep_for_compute(dense)
+        return weights, done.event
 
     def to_device(self, tree: Any, event: Any, kind: str) -> Any:
         """A copy of every tensor of a host tree (made ready by ``event``) on the device, never
@@ -272,16 +309,15 @@ class DeviceIO:
     def to_host(self, tree: Any, kind: str) -> tuple[Any, Any]:
         """Every tensor of a device tree detached and on the host, and the event marking the
         copies."""
-        self._begin_download()
-
         def move(x):
             if not isinstance(x, torch.Tensor):
                 return x
             self.stats.moved("d2h", kind, nbytes(x))
             return self._copy_to_host(x.detach())
 
-        out = tree_map(move, tree)
-        return out, self._end_download()
+        with self._download_stream() as done:
+            out = tree_map(move, tree)
+        return out, done.event
 
     def sum_grads_over(self, weights: StageWeights, microbatches: int) -> None:
         """Before a backward visit over ``microbatches``: with several, the gradient of each
@@ -336,13 +372,15 @@ class DeviceIO:
                 self.stats.moved("d2h", "param_grad", nbytes(g))
             if norms_sq is not None:
                 self.stats.moved("d2h", "output", nbytes(norms_sq))
-            return self._download_grads(sources, norms_sq)
+            return self._download_grads(sources, norms_sq, abort)
         except BaseException:
             self._grad_permits.release()
             raise
 
     def _download_grads(self, sources: list[tuple[int, torch.Tensor]],
-                        norms_sq: torch.Tensor) -> GradDownload:
+                        norms_sq: Optional[torch.Tensor], abort) -> GradDownload:
+        """The download of ``sources`` (and ``norms_sq``); the permit is held. Whatever it
+        took before raising, it gives back."""
         raise NotImplementedError
 
     def write_back_buffers(self, weights: StageWeights) -> None:
@@ -388,10 +426,10 @@ class DeviceIO:
         """Copies device KV entries into ``host`` (same shape and dtype; counted as
         ``d2h_kv_bytes``) once the compute issued so far has produced them; returns the event
         of the copy (None: already done). The end of the pass (:meth:`finish`) waits for it."""
-        self._begin_download()
         self.stats.moved("d2h", "kv", nbytes(dev))
-        self._copy_into_host(dev, host)
-        return self._end_download()
+        with self._download_stream() as done:
+            self._copy_into_host(dev, host)
+        return done.event
 
     def _copy_into_host(self, dev: torch.Tensor, host: torch.Tensor) -> None:
         with torch.no_grad():

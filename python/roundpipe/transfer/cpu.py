@@ -15,13 +15,14 @@ GPU would move.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Optional
 
 import torch
 
 from ..host_buffers import HostBuffers
-from .base import DeviceIO, GradDownload, nbytes
+from .base import DeviceIO, Done, GradDownload, nbytes
 
 
 class CpuIO(DeviceIO):
@@ -32,29 +33,35 @@ class CpuIO(DeviceIO):
         super().__init__(device, stats)
         self.prefetch = prefetch
         self._pool = pool or HostBuffers()
-        self._upload_start = 0.0
 
     def _new_sum(self, g: torch.Tensor) -> torch.Tensor:
         # in host memory: a reused buffer, handed over to the optimizer side as it is
         return self._pool.take(g.shape, torch.float32).copy_(g)
 
-    def _copy_to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone()
+    def _device_like(self, host: torch.Tensor, parameter: bool) -> torch.Tensor:
+        # a parameter is used where it is (see the module docstring)
+        return host.detach() if parameter else torch.empty_like(host)
 
-    def _upload_parameter(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach()
+    def _fill(self, dev: torch.Tensor, host: torch.Tensor, parameter: bool) -> None:
+        if not parameter:
+            with torch.no_grad():
+                dev.copy_(host)
 
     def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def _begin_upload(self) -> None:
-        self._upload_start = time.perf_counter()
+    @contextlib.contextmanager
+    def _upload_stream(self):
+        start = time.perf_counter()
+        yield Done()
+        # the compute waited for the whole upload: copies and dequantization
+        self.stats.add("weights_wait_s", time.perf_counter() - start)
 
-    def _end_upload(self, nbytes: int):
-        seconds = time.perf_counter() - self._upload_start
-        self.stats.add("upload_s", seconds)
-        self.stats.add("weights_wait_s", seconds)  # the compute waited for the whole copy
-        return None
+    @contextlib.contextmanager
+    def _timed_copies(self, nbytes: int):
+        start = time.perf_counter()
+        yield
+        self.stats.add("upload_s", time.perf_counter() - start)
 
     def kv_to_device(self, host: torch.Tensor, after) -> torch.Tensor:
         """The host KV entries themselves (counted as if copied): the layer only reads them,
@@ -62,7 +69,7 @@ class CpuIO(DeviceIO):
         self.stats.moved("h2d", "kv", nbytes(host))
         return host
 
-    def _download_grads(self, sources, norms_sq) -> GradDownload:
+    def _download_grads(self, sources, norms_sq, abort=None) -> GradDownload:
         return GradDownload(sources, norms_sq, None, True, self._grad_permits.release)
 
     def _write_back_buffers(self, changed) -> None:

@@ -47,7 +47,8 @@ import torch
 from torch import nn
 
 from ..torch_private import module_buffers
-from .base import DeviceIO, GradDownload, nbytes
+from ..threads import POLL_S, Aborted
+from .base import DeviceIO, Done, GradDownload, nbytes
 
 ALIGN = 512
 PAGE = 4096
@@ -312,7 +313,6 @@ class CudaIO(DeviceIO):
         self._visit_start = None
         self._timings: list[tuple] = []  # (kind, start event, end event, bytes), in order
         self._totals = {"weights_wait_s": 0.0, "upload_s": 0.0}
-        self._upload_events: Optional[tuple] = None
 
     def _event(self, timing: bool = False):
         return torch.cuda.Event(enable_timing=timing, blocking=not timing)
@@ -328,21 +328,25 @@ class CudaIO(DeviceIO):
 
     # --- copies ----------------------------------------------------------------------------------
 
-    def _copy_to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu":
-            pending = self._host_writes.pending(t)
+    def _device_like(self, host: torch.Tensor, parameter: bool) -> torch.Tensor:
+        return torch.empty_like(host, device=self.device)
+
+    def _fill(self, dev: torch.Tensor, host: torch.Tensor, parameter: bool) -> None:
+        if host.device.type == "cpu":
+            pending = self._host_writes.pending(host)
             if pending is not None:
                 torch.cuda.current_stream(self.device).wait_event(pending)
         else:  # a caller's CUDA tensor: made on its device's default stream
-            torch.cuda.current_stream(self.device).wait_stream(torch.cuda.default_stream(t.device))
-        d = torch.empty_like(t, device=self.device)
+            torch.cuda.current_stream(self.device).wait_stream(
+                torch.cuda.default_stream(host.device))
         with torch.no_grad():
-            d.copy_(t.detach(), non_blocking=True)
-        d.record_stream(self.compute)  # allocated on a copy stream, used by the compute
-        return d
+            dev.copy_(host.detach(), non_blocking=True)
+        dev.record_stream(self.compute)  # allocated on a copy stream, used by the compute
 
     def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
-        h = _pinned_empty(t.shape, t.dtype)
+        # pinned (from torch's caching host allocator) only where the model copy is: with
+        # pin_memory="off", or after pinning failed, the copy is synchronous instead
+        h = _pinned_empty(t.shape, t.dtype) if self.pin else torch.empty(t.shape, dtype=t.dtype)
         with torch.no_grad():
             h.copy_(t.detach(), non_blocking=True)
         if t.device.type == "cuda":
@@ -352,19 +356,24 @@ class CudaIO(DeviceIO):
     def _keep_for_compute(self, t: torch.Tensor) -> None:
         t.record_stream(self.compute)  # made on the weights stream, read by the compute
 
-    def _begin_upload(self) -> None:
-        start = self._event(True)
-        self._stream_ctx = torch.cuda.stream(self.weights)
-        self._stream_ctx.__enter__()
-        start.record(self.weights)
-        self._upload_events = start
+    @contextlib.contextmanager
+    def _upload_stream(self):
+        done = Done()
+        with torch.cuda.stream(self.weights):
+            yield done
+            done.event = self._event()
+            done.event.record(self.weights)
 
-    def _end_upload(self, size: int) -> Any:
-        end = self._event(True)
+    @contextlib.contextmanager
+    def _timed_copies(self, nbytes: int):
+        # the events take their times when the weights stream reaches them: with every
+        # allocation made before the start, the span is the copies (and the host's issuing of
+        # them, microseconds per tensor), not a first cudaMalloc or a compiler run
+        start, end = self._event(True), self._event(True)
+        start.record(self.weights)
+        yield
         end.record(self.weights)
-        self._stream_ctx.__exit__(None, None, None)
-        self._time("upload", self._upload_events, end, size)
-        return end
+        self._time("upload", start, end, nbytes)
 
     def wait_weights(self, event: Any) -> None:
         before, after = self._event(True), self._event(True)
@@ -383,18 +392,15 @@ class CudaIO(DeviceIO):
         self.compute.wait_event(done)
         return out
 
-    def _begin_download(self) -> None:
-        ready = self._event()
+    @contextlib.contextmanager
+    def _download_stream(self):
+        ready, done = self._event(), Done()
         ready.record(self.compute)
         self.down.wait_event(ready)
-        self._down_ctx = torch.cuda.stream(self.down)
-        self._down_ctx.__enter__()
-
-    def _end_download(self) -> Any:
-        done = self._event()
-        done.record(self.down)
-        self._down_ctx.__exit__(None, None, None)
-        return done
+        with torch.cuda.stream(self.down):
+            yield done
+            done.event = self._event()
+            done.event.record(self.down)
 
     def host_wait(self, event: Any) -> None:
         if event is not None:
@@ -402,10 +408,14 @@ class CudaIO(DeviceIO):
 
     # --- gradients and buffers ---------------------------------------------------------------------
 
-    def _take_slot(self, size: int) -> int:
+    def _take_slot(self, size: int, abort: Optional[threading.Event] = None) -> int:
         """A free slot of the staging ring (two slots; at most two downloads are out, see
         :attr:`grad_downloads_in_flight`) of at least ``size`` bytes: the ring is made on
-        first use, and made larger (a new plan's larger stage) once both slots are free."""
+        first use, and made larger (a new plan's larger stage) once both slots are free.
+
+        Raises:
+            Aborted: ``abort`` was set while waiting for the other slot to come back.
+        """
         with self._slots:
             while self._ring is None or self._slot_size < size:
                 if self._ring is None or len(self._free_slots) == 2:
@@ -419,29 +429,37 @@ class CudaIO(DeviceIO):
                     if self._ring.pinned:
                         self.stats.add("pinned_bytes", self._ring.size)
                     break
-                self._slots.wait()  # the optimizer side releases the slots it consumes
+                if abort is not None and abort.is_set():
+                    raise Aborted()
+                self._slots.wait(POLL_S)  # the optimizer side releases the slots it consumes
             return self._free_slots.pop()
 
-    def _download_grads(self, sources, norms_sq) -> GradDownload:
-        slot = self._take_slot(sum(_align(nbytes(g)) for _, g in sources))
-        self._begin_download()
-        norms_host = None if norms_sq is None else self._copy_to_host(norms_sq)
-        items, offset = [], slot
-        for i, g in sources:
-            view = self._ring.view(offset, g)
-            offset += _align(nbytes(g))
-            view.copy_(g, non_blocking=True)
-            g.record_stream(self.down)
-            items.append((i, view))
-        event = self._end_download()
+    def _give_slot(self, slot: int) -> None:
+        with self._slots:
+            self._free_slots.append(slot)
+            self._slots.notify_all()
+
+    def _download_grads(self, sources, norms_sq, abort=None) -> GradDownload:
+        slot = self._take_slot(sum(_align(nbytes(g)) for _, g in sources), abort)
+        try:
+            with self._download_stream() as done:
+                norms_host = None if norms_sq is None else self._copy_to_host(norms_sq)
+                items, offset = [], slot
+                for i, g in sources:
+                    view = self._ring.view(offset, g)
+                    offset += _align(nbytes(g))
+                    view.copy_(g, non_blocking=True)
+                    g.record_stream(self.down)
+                    items.append((i, view))
+        except BaseException:
+            self._give_slot(slot)  # nothing was handed out: the slot is free again
+            raise
 
         def release():
-            with self._slots:
-                self._free_slots.append(slot)
-                self._slots.notify_all()
+            self._give_slot(slot)
             self._grad_permits.release()
 
-        return GradDownload(items, norms_host, event, False, release)
+        return GradDownload(items, norms_host, done.event, False, release)
 
     def kv_host_empty(self, shape: tuple, dtype: torch.dtype, keep: list) -> torch.Tensor:
         like = torch.empty(shape, dtype=dtype, device="meta")
@@ -472,13 +490,12 @@ class CudaIO(DeviceIO):
         dev.record_stream(self.down)
 
     def _write_back_buffers(self, changed) -> None:
-        self._begin_download()
-        for host, dev in changed:
-            host.copy_(dev, non_blocking=True)
-            dev.record_stream(self.down)
-        event = self._end_download()
+        with self._download_stream() as done:
+            for host, dev in changed:
+                host.copy_(dev, non_blocking=True)
+                dev.record_stream(self.down)
         for host, _ in changed:
-            self._host_writes.add(host, event)
+            self._host_writes.add(host, done.event)
 
     def finish(self) -> None:
         """The end of a pass: waits until the device has done everything issued (so the call
