@@ -117,6 +117,30 @@ def test_an_early_stop_drops_the_upload_made_ahead(monkeypatch):
     assert all(r() is None for r in carried)
 
 
+def test_generate_waits_for_the_dropped_upload_before_it_returns(monkeypatch):
+    """The upload made ahead by the last pass is still copying from the host model copy when
+    generate drops it (on CUDA: a DMA reading pinned memory): generate waits for its event
+    before returning, so the caller may write or free the model at once. The CPU device's
+    copies are done at once; its upload events stand in for CUDA's here."""
+    ref, w = models()
+    made, waited = [], []
+    real_ahead = WeightFetcher.upload_ahead
+
+    def ahead(self):
+        visit, (weights, _) = real_ahead(self)
+        event = object()                               # what CUDA's weights stream records
+        made.append(event)
+        return visit, (weights, event)
+
+    monkeypatch.setattr(WeightFetcher, "upload_ahead", ahead)
+    monkeypatch.setattr(CpuIO, "host_wait", lambda self, event: waited.append(event))
+    batch = prompts(seq=4)
+    want = ref.generate(**batch, max_length=7, do_sample=False)
+    got = w.generate(**batch, max_length=7, do_sample=False)
+    assert torch.equal(got, want)
+    assert len(made) == 3 and made[-1] in waited       # the one no pass took
+
+
 @pytest.mark.parametrize("num_microbatch", [1, 2])
 def test_each_layer_uploads_the_next_layers_keys_and_values_ahead(monkeypatch, num_microbatch):
     ref, w = models()

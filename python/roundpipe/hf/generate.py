@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..pipeline.fetch import Carry
 from ..pipeline.stage import AutocastState, PassSpec
 from .kv_cache import KV_CACHE_MODES, MicrobatchKV, PipelineCache
 from .layers import mask_kind
@@ -59,7 +60,7 @@ def _rows(t: Optional[torch.Tensor], r0: int, r1: int, batch: int):
 
 def cached_forward(model, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                    inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
-                   num_microbatch: Optional[int] = None, carry: Optional[dict] = None,
+                   num_microbatch: Optional[int] = None, carry: Optional[Carry] = None,
                    upload_ahead: bool = False, **kwargs):
     """One pass of ``model`` (an :class:`~roundpipe.hf.HFRoundPipe`) as the model's own
     ``forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
@@ -191,7 +192,7 @@ def _cache_kwarg() -> str:
     return names[0]
 
 
-def _forward_for(model, carry: dict, calls: Optional[int]):
+def _forward_for(model, carry: Carry, calls: Optional[int]):
     """The function ``generate`` puts in place of the wrapped transformers model's forward:
     the signature transformers inspects (``attention_mask``, ``position_ids``,
     ``logits_to_keep``, ``cache``) and :func:`cached_forward` behind it. Each pass but the
@@ -319,7 +320,7 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
             kwargs[_cache_kwarg()] = cache
         modes = [(m, m.training) for m in model.module.modules()]
         previous = hf.__dict__.get("forward")
-        carry: dict = {}  # the next pass's first uploads; dropped at the end
+        carry = Carry()  # the next pass's first uploads; dropped at the end
         hf.forward = _forward_for(model, carry,
                                   new_tokens if isinstance(new_tokens, int) else None)
         try:
@@ -327,7 +328,7 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
             target = model.peft_model if model.peft_model is not None else hf
             return target.generate(inputs, generation_config=generation_config, **kwargs)
         finally:
-            carry.clear()
+            carry.drop()  # waits for the copies: the caller may free or change the model next
             if previous is None:
                 del hf.forward
             else:

@@ -25,6 +25,35 @@ from .schedule import Visit
 from ..threads import LayerGates, Slot
 
 
+class Carry:
+    """Uploads handed from one pass to the next (generation's passes, see the module
+    docstring): by device index, ``(visit, (weights, event))`` as
+    :meth:`WeightFetcher.upload_ahead` made it, with the device that made it. A pass takes
+    them (:meth:`take`); what no pass takes is dropped with :meth:`drop`, which waits for the
+    copies first: on CUDA they read the pinned host model copy, which must not be written or
+    freed under them."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[tuple, DeviceIO]] = {}
+
+    def put(self, device: int, item: tuple, io: DeviceIO) -> None:
+        self._items[device] = (item, io)
+
+    def take(self) -> dict[int, tuple]:
+        """Every carried upload, by device index, handed over (none is left)."""
+        items, self._items = self._items, {}
+        return {d: item for d, (item, _) in items.items()}
+
+    def drop(self) -> None:
+        """Waits until the copies of every upload not taken are done, and forgets them."""
+        items, self._items = self._items, {}
+        for (_, (_, event)), io in items.values():
+            io.host_wait(event)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+
 class WeightFetcher:
     """Args:
         io: the device.

@@ -98,9 +98,7 @@ class Pass:
         self.losses: list = [None] * M
         self.outputs: list = [None] * M
         # uploads the pass before made for this one (spec.carry), by device
-        self.carried = dict(spec.carry) if spec.carry else {}
-        if spec.carry:
-            spec.carry.clear()
+        self.carried = spec.carry.take() if spec.carry is not None else {}
         self._count_floors()
 
     def _count_floors(self) -> None:
@@ -164,7 +162,7 @@ class Pass:
             with self.ios[d].activate():
                 item = runner.fetcher.upload_ahead()
             if item is not None:
-                self.spec.carry[d] = item
+                self.spec.carry.put(d, item, self.ios[d])
                 self.stats.add("weight_floor_bytes", self._visit_floor(item[0])[0])
 
     def stage_input_done(self, s: int) -> bool:

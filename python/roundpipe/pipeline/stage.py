@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from ..torch_private import tree_flatten, tree_unflatten
 from ..transfer import DeviceIO, GradDownload, StageWeights, io_scope
 from .execute import run_layers
 from .meter import PassMeter
+
+if TYPE_CHECKING:
+    from .fetch import Carry
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,8 @@ class PassSpec:
         meter: measures every layer and backward for the stage planner (None: nothing is
             measured; :mod:`roundpipe.pipeline.meter`).
         carry: uploads handed from one pass to the next (generation, whose passes follow one
-            another with the same weights): ``{device index: (visit, (weights, event))}``,
-            taken by this pass for its first visits (see :mod:`roundpipe.pipeline.fetch`);
-            None: none.
+            another with the same weights), a :class:`roundpipe.pipeline.fetch.Carry`: taken
+            by this pass for its first visits; None: none.
         upload_ahead: after this pass, upload each device's first visit of the next pass
             into ``carry`` (its bytes and their floor counted now).
     """
@@ -100,7 +102,7 @@ class PassSpec:
     want_norms: bool = False
     loss_weights: Optional[list[float]] = None
     meter: Optional[PassMeter] = None
-    carry: Optional[dict] = None
+    carry: Optional["Carry"] = None
     upload_ahead: bool = False
 
 
