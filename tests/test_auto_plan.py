@@ -7,6 +7,8 @@ stage on the CPU device; a Hugging Face MoE model keeps its MoE layers out of th
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -195,3 +197,39 @@ def test_a_quantized_base_is_planned_with_its_dense_weights_resident_and_packed_
     assert sum(c.uploaded for c in costs) == copied
     dense = [128 * 64 * 4, 0, 64 * 128 * 4, 0]
     assert [c.weight_bytes - c.uploaded for c in costs] == dense
+
+
+def test_the_chunked_loss_weight_gradient_is_counted_once_not_per_token():
+    """The chunked cross-entropy of a Hugging Face model computes the float32 gradient of
+    ``lm_head``'s weight in its forward and saves it for the backward: vocabulary x hidden x 4
+    bytes, whatever the tokens. The meter keeps it apart from the per-token activations, so a
+    call with microbatches 16x those measured is planned with it once: under a budget whose
+    half holds the last layer at that size only then, the call is planned and trains as plain
+    transformers computes its loss (it used to be refused: "layer 3 alone needs ...")."""
+    vocab, hidden = 4096, 32
+    head = vocab * hidden * 4                           # fp32: the weight, its gradient sum
+
+    def wrapped(budget):
+        return roundpipe.wrap_model_to_roundpipe(
+            causal_lm("llama", vocab_size=vocab, max_position_embeddings=512), torch.float32,
+            device="cpu", layers_per_stage="auto", memory_budget=budget, num_microbatch=2)
+
+    g = torch.Generator().manual_seed(0)
+    small, large = (torch.randint(0, vocab, (2, s), generator=g) for s in (16, 256))
+    probe = wrapped(2**40)
+    probe.forward_backward(input_kwargs={"input_ids": small, "labels": small})
+    last = probe._staging.num_layers - 1
+    meter = probe._staging.meter
+    assert meter.fixed_bytes[last] == head              # the loss's fp32 gradient of lm_head
+    need = probe._staging.costs(2, 256)[last].device_bytes
+    norm = hidden * 4                                   # the final norm's weight
+    assert need == 3 * head + 2 * norm + int(math.ceil(256 * meter.act_bytes[last]))
+
+    model = wrapped(int(2.2 * need))                    # half of it holds the layer, once
+    model.forward_backward(input_kwargs={"input_ids": small, "labels": small})  # measured
+    got = model.forward_backward(input_kwargs={"input_ids": large, "labels": large})
+    assert "auto:" in model.plan().reason
+    with torch.no_grad():
+        want = causal_lm("llama", vocab_size=vocab, max_position_embeddings=512)(
+            input_ids=large, labels=large).loss
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)

@@ -88,8 +88,10 @@ def _train_mode(device, mode, steps=4, **kwargs):
 
 @pytest.mark.parametrize("mode", ["plain", "async", "exact"])
 def test_cuda_overlapped_modes_match_the_cpu_path(mode):
-    cpu_losses, cpu = _train_mode("cpu", mode)
-    gpu_losses, gpu = _train_mode("cuda", mode)
+    """The same plan on both sides (one layer per stage): left to its default, CUDA would plan
+    its stages ("auto") after the first call and every byte counter would differ."""
+    cpu_losses, cpu = _train_mode("cpu", mode, layers_per_stage=1)
+    gpu_losses, gpu = _train_mode("cuda", mode, layers_per_stage=1)
     assert gpu.pin_memory == "alloc"
     assert all(p.is_pinned() for p in gpu.module.parameters())
     assert gpu_losses == pytest.approx(cpu_losses, rel=2e-2)   # bf16 compute on two backends
@@ -253,9 +255,15 @@ def test_a_roundpipe_leaves_nothing_on_the_device_after_del():
 def test_a_1_8b_geometry_trains_under_a_memory_cap():
     """The 1.82B Llama's layer geometry (hidden 2560, MLP 6912, 20 heads, 4 KV heads, a 32k
     vocabulary) at 4 layers (0.47B parameters, bf16 weights 0.94 GB; plain training with AdamW
-    needs about 5.6 GB) under a 2.5 GiB cap (``set_per_process_memory_fraction``): RoundPipe
+    needs about 5.6 GB) under a 3 GiB cap (``set_per_process_memory_fraction``): RoundPipe
     trains in sync, async and exact modes with the automatic plan, its first loss equal to
-    plain HF's on the GPU, its peak within the cap."""
+    plain HF's on the GPU, its peak within the cap.
+
+    Why 3 GiB: the last layer (final norm, ``lm_head``, chunked loss) alone holds 0.83 GB in
+    a backward visit — its bf16 weight (0.16 GB), the weight's fp32 gradient sum over the
+    microbatches (0.33 GB) and the loss's fp32 gradient of the weight, made in its forward
+    (0.33 GB) — and a stage may take half of the default budget (0.6 of the device): 2.5 GiB
+    gives 0.81 GB, so the planner refuses the layer; 3 GiB gives 0.97 GB."""
     transformers = pytest.importorskip("transformers")
     import copy
 
@@ -271,7 +279,7 @@ def test_a_1_8b_geometry_trains_under_a_memory_cap():
     host = ref.cpu()
     del ref
     torch.cuda.empty_cache()
-    cap = 5 << 29
+    cap = 3 << 30
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(cap / total, 0)
     try:

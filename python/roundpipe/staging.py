@@ -247,7 +247,8 @@ class Staging:
                 backward = (m.recompute_s[i] if m.recompute_s[i] is not None else forward) + \
                     (m.backward_s[i] or 2 * forward)
             grad = numel * (4 if num_microbatch > 1 else itemsize)
-            out.append(LayerCost(weights, grad, int(math.ceil(m.act_bytes[i] * elements)),
+            act = int(math.ceil(m.act_bytes[i] * elements)) + m.fixed_bytes[i]
+            out.append(LayerCost(weights, grad, act,
                                  forward * elements, backward * elements, numel > 0, uploaded))
         return out
 

@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..pipeline.meter import fixed_size
+
 IGNORE_INDEX = -100
 
 
@@ -115,7 +117,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_w.addmm_(g.t(), h.float())
                 if need_b:
                     grad_b += g.sum(0)
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        # the weight's (and bias') gradient is vocabulary-sized whatever the tokens: the
+        # stage planner's meter counts it once, not per token
+        ctx.save_for_backward(grad_h, fixed_size(grad_w), fixed_size(grad_b))
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(hits, entropy)
         return total, hits, entropy
@@ -127,10 +131,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         out_h = out_w = out_b = None
         if grad_h is not None:
             out_h = grad_h * grad_total.to(grad_h.dtype)
+        # in place: the saved sums are used once (a float32 copy of a vocabulary-sized
+        # gradient, 2.1 GB for Llama 3 8B's, would be another transient on the device)
         if grad_w is not None:
-            out_w = (grad_w * grad_total).to(w_dtype)
+            out_w = grad_w.mul_(grad_total).to(w_dtype)
         if grad_b is not None:
-            out_b = (grad_b * grad_total).to(b_dtype)
+            out_b = grad_b.mul_(grad_total).to(b_dtype)
         return out_h, out_w, out_b, None, None
 
 
@@ -154,7 +160,10 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor,
 
     Returns:
         The summed loss, fp32, 0-dim. Divide by the number of scored tokens for HF's mean.
-        Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``. With ``with_stats``:
+        Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``, once: the gradients are
+        computed in the forward and scaled in place in the backward, so a second backward
+        through the same graph (``retain_graph=True``) raises autograd's in-place error.
+        With ``with_stats``:
         ``(loss, hits, entropy)``, ``hits`` the scored tokens whose target is the top-1 logit
         (int64, 0-dim), ``entropy`` the summed entropy of their distributions in nats (fp32,
         0-dim), both without gradient, on ``hidden``'s device.

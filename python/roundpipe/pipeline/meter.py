@@ -12,7 +12,10 @@ pass (whose end waits for the devices), :meth:`LayerMeter.fold` turns the marks 
 Everything is kept per *element* of a microbatch (the element count of its first input tensor:
 tokens for a Hugging Face model, rows times features for a plain one), so the costs follow the
 batch's shape: a call whose microbatches are twice as large is predicted to take twice as long
-and to keep twice the activations.
+and to keep twice the activations. A saved tensor whose size does not follow the microbatch
+(the chunked loss's float32 gradient of the vocabulary projection, made in its forward: vocabulary
+x hidden, whatever the tokens) is marked so by the code that saves it (:func:`fixed_size`) and
+kept apart, in bytes per layer.
 
 A layer's backward time is its stage's measured backward time shared among the stage's layers
 in proportion to their recomputation times (autograd runs a stage's backward as one call).
@@ -27,6 +30,18 @@ from typing import Any, Optional
 import torch
 
 from ..torch_private import tree_flatten
+
+
+_FIXED_SIZE = "_roundpipe_fixed_size"
+
+
+def fixed_size(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Marks ``t``, a tensor an autograd function saves for its backward, as one whose size
+    does not follow the microbatch's (the meter then counts it once per layer instead of per
+    element); returns it. None passes through."""
+    if t is not None:
+        setattr(t, _FIXED_SIZE, True)
+    return t
 
 
 def microbatch_elements(microbatch: Any) -> int:
@@ -48,7 +63,8 @@ class PassMeter:
         self._lock = threading.Lock()
         self.layers: list[tuple] = []              # (layer, grad, microbatch, io, start, end)
         self.backwards: list[tuple] = []           # (layers, microbatch, io, start, end)
-        self.saved: dict[tuple[int, int], int] = {}  # (layer, microbatch) -> bytes
+        # (layer, microbatch) -> (bytes that follow the microbatch, bytes that do not)
+        self.saved: dict[tuple[int, int], tuple[int, int]] = {}
 
     @contextlib.contextmanager
     def layer(self, io, index: int, *, microbatch: int, exclude: set[int]):
@@ -61,14 +77,14 @@ class PassMeter:
             end = io.mark()
         else:
             seen: set[int] = set()
-            total = [0]
+            total = [0, 0]  # per element, fixed (see fixed_size)
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
                 if ptr not in exclude and ptr not in seen:
                     seen.add(ptr)
-                    total[0] += storage.nbytes()
+                    total[1 if getattr(t, _FIXED_SIZE, False) else 0] += storage.nbytes()
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -76,7 +92,8 @@ class PassMeter:
             end = io.mark()
             with self._lock:
                 key = (index, microbatch)
-                self.saved[key] = max(self.saved.get(key, 0), total[0])
+                old = self.saved.get(key, (0, 0))
+                self.saved[key] = (max(old[0], total[0]), max(old[1], total[1]))
         with self._lock:
             self.layers.append((index, grad, microbatch, io, start, end))
 
@@ -99,6 +116,8 @@ class LayerMeter:
         recompute_s: per layer, seconds per element of a run with autograd.
         backward_s: per layer, its share of its stage's backward, seconds per element.
         act_bytes: per layer, the largest bytes per element autograd kept for it.
+        fixed_bytes: per layer, the largest bytes it kept whose size does not follow the
+            microbatch (:func:`fixed_size`).
         passes: training passes folded in.
     """
 
@@ -108,6 +127,7 @@ class LayerMeter:
         self.recompute_s: list[Optional[float]] = [None] * num_layers
         self.backward_s: list[Optional[float]] = [None] * num_layers
         self.act_bytes: list[float] = [0.0] * num_layers
+        self.fixed_bytes: list[int] = [0] * num_layers
         self.passes = 0
 
     def _blend(self, old: Optional[float], new: float) -> float:
@@ -138,8 +158,9 @@ class LayerMeter:
                 shares.setdefault(li, []).append(seconds * share / meter.elements[m])
         for li, values in shares.items():
             self.backward_s[li] = self._blend(self.backward_s[li], sum(values) / len(values))
-        for (index, m), nbytes in meter.saved.items():
+        for (index, m), (nbytes, fixed) in meter.saved.items():
             self.act_bytes[index] = max(self.act_bytes[index], nbytes / meter.elements[m])
+            self.fixed_bytes[index] = max(self.fixed_bytes[index], fixed)
         self.passes += 1
 
     def measured(self) -> bool:
