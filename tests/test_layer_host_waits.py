@@ -182,3 +182,65 @@ def test_mask_kind(inputs, kind):
     """transformers looks for packed sequences only without a mask and a cache, and treats a
     mask of ones as no mask."""
     assert hf_layers.mask_kind(inputs) == kind
+
+
+class HostCopies:
+    """Counts the copies to the host (``Tensor.cpu()``, ``Tensor.to`` a CPU device) made by any
+    thread while it runs a decoder layer's forward pass (not its recomputation). On a GPU
+    each is a synchronous device-to-host copy: the host waits for the device."""
+
+    def __init__(self, monkeypatch) -> None:
+        from roundpipe import recompute
+
+        self.count = 0
+        self.lock = threading.Lock()
+        self.local = threading.local()
+        to, cpu = torch.Tensor.to, torch.Tensor.cpu
+
+        def inside() -> bool:
+            return getattr(self.local, "depth", 0) > 0 and not recompute.doing_recompute()
+
+        def counted_to(tensor, *args, **kwargs):
+            target = kwargs.get("device", args[0] if args else None)
+            if inside() and isinstance(target, (str, torch.device)) \
+                    and torch.device(target).type == "cpu":
+                with self.lock:
+                    self.count += 1
+            return to(tensor, *args, **kwargs)
+
+        def counted_cpu(tensor, *args, **kwargs):
+            if inside():
+                with self.lock:
+                    self.count += 1
+            return cpu(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "to", counted_to)
+        monkeypatch.setattr(torch.Tensor, "cpu", counted_cpu)
+        forward = hf_layers.Decoder.forward
+
+        def counted_forward(layer, state):
+            self.local.depth = getattr(self.local, "depth", 0) + 1
+            try:
+                return forward(layer, state)
+            finally:
+                self.local.depth -= 1
+
+        monkeypatch.setattr(hf_layers.Decoder, "forward", counted_forward)
+
+
+def test_moe_routing_copies_nothing_to_the_host_in_a_layer(monkeypatch):
+    """A MoE layer keeps its routing for the recomputation and adds its router statistics for
+    the auxiliary loss: both go through the device I/O (asynchronous on CUDA, with an event),
+    never a synchronous copy to the host inside the layer. Loss as transformers'."""
+    from pipeline_models import causal_lm
+
+    plain = causal_lm("qwen3_moe", num_hidden_layers=3)
+    wrapped = roundpipe.wrap_model_to_roundpipe(causal_lm("qwen3_moe", num_hidden_layers=3),
+                                                torch.float32, num_microbatch=3, device="cpu")
+    ids = _ids()
+    copies = HostCopies(monkeypatch)
+    loss = wrapped.forward_backward(input_kwargs={"input_ids": ids, "labels": ids})
+    assert copies.count == 0
+    monkeypatch.undo()
+    want = plain(input_ids=ids, labels=ids).loss
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)

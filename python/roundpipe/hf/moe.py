@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from .. import recompute
+from ..transfer import current_io
 
 _local = threading.local()
 
@@ -67,37 +68,87 @@ class RouterStats:
     """Routing sums of one ``forward``/``forward_backward`` call over all MoE layers and
     microbatches, on the host in fp32: ``counts[e]`` (A), ``probs[e]`` (P, detached) and
     ``rows`` (R), as defined in this module's docstring. Filled by the forward pass (worker
-    threads, under a lock); read by the recomputations and at the end of the call."""
+    threads, under a lock); read by the recomputations and at the end of the call.
+
+    Each router's sums are copied to the host through the device I/O of the visit running it
+    (:func:`roundpipe.transfer.current_io`): on CUDA asynchronously, into pinned memory, with
+    an event, so the forward pass never makes the host wait for the device; they are added up
+    (in the order the routers ran) when first read, by which time the copies are long done.
+    """
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
         self.lock = threading.Lock()
-        self.counts = torch.zeros(num_experts, dtype=torch.float32)
-        self.probs = torch.zeros(num_experts, dtype=torch.float32)
-        self.rows = torch.zeros((), dtype=torch.float32)
+        self._sums = torch.zeros(2 * num_experts + 1, dtype=torch.float32)
+        self._pending: list[tuple[torch.Tensor, Any, Any]] = []  # (host, event, io)
         self._scale: dict[torch.device, torch.Tensor] = {}
 
     def add(self, stats: torch.Tensor) -> None:
         """Adds one router's ``[counts (E), probs (E), rows (1)]`` (any device)."""
-        stats = stats.to("cpu")
-        e = self.num_experts
+        host, event, io = _to_host(stats)
         with self.lock:
-            self.counts += stats[:e]
-            self.probs += stats[e:2 * e]
-            self.rows += stats[2 * e]
+            self._pending.append((host, event, io))
+
+    def _folded(self) -> torch.Tensor:
+        """The sums with every pending router's added (under :attr:`lock`)."""
+        for host, event, io in self._pending:
+            if io is not None:
+                io.host_wait(event)
+            self._sums += host
+        self._pending.clear()
+        return self._sums
+
+    @property
+    def counts(self) -> torch.Tensor:
+        with self.lock:
+            return self._folded()[:self.num_experts]
+
+    @property
+    def probs(self) -> torch.Tensor:
+        with self.lock:
+            return self._folded()[self.num_experts:2 * self.num_experts]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        with self.lock:
+            return self._folded()[2 * self.num_experts]
 
     def grad_scale(self, device: torch.device, coef: float) -> torch.Tensor:
         """``coef * E / R^2 * A`` on ``device`` (fp32, (E,)): the gradient of the scaled
         auxiliary loss w.r.t. one router's mask-weighted probability sums."""
         with self.lock:
             if device not in self._scale:
-                scale = coef * self.num_experts / (self.rows * self.rows) * self.counts
-                self._scale[device] = scale.to(device)
+                sums, e = self._folded(), self.num_experts
+                rows = sums[2 * e]
+                scale = coef * e / (rows * rows) * sums[:e]
+                self._scale[device] = scale.to(device, non_blocking=device.type == "cuda")
             return self._scale[device]
 
     def aux_loss(self) -> torch.Tensor:
         """HF's ``load_balancing_loss_func`` value for the whole call (fp32, 0-dim, host)."""
-        return self.num_experts * torch.sum((self.counts / self.rows) * (self.probs / self.rows))
+        counts, probs, rows = self.counts, self.probs, self.rows
+        return self.num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
+def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+    """``(host copy, event, io)`` of a device tensor made inside a layer: through the running
+    visit's device I/O (no host wait on CUDA: the event marks the copy), or, outside a visit,
+    copied now (event and io None)."""
+    io = current_io()
+    if io is None:
+        return t.to("cpu"), None, None
+    host, event = io.to_host(t, "activation")
+    return host, event, io
+
+
+def _to_device(kept: tuple[torch.Tensor, Any, Any], device: torch.device) -> torch.Tensor:
+    """What :func:`_to_host` made, back on ``device`` for a recomputation (on CUDA the copy
+    waits for the download on the device, not on the host)."""
+    host, event, io = kept
+    io = current_io() or io
+    if io is None:
+        return host.to(device)
+    return io.to_device(host, event, "activation")
 
 
 class _LayerRouting:
@@ -144,11 +195,11 @@ def router_hook(router: nn.Module, inputs: tuple, output: Any) -> Any:
         return output
     logits, weights, indices = output
     if not ctx.recomputing:
-        ctx.made.append(indices.detach().to("cpu"))
+        ctx.made.append(_to_host(indices.detach()))
         if ctx.stats is not None:
             ctx.stats.add(_router_sums(logits.detach(), indices, ctx.mask, ctx.stats.num_experts))
         return output
-    indices = ctx.kept.pop(0).to(logits.device)
+    indices = _to_device(ctx.kept.pop(0), logits.device)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     weights = probs.gather(1, indices)
     if router.norm_topk_prob:
