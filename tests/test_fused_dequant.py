@@ -99,6 +99,31 @@ def test_compiled_kernel_equals_the_float64_reference_and_the_torch_ops(kind, dt
     assert fn is not None  # cached: the same checked kernel, no second probe
 
 
+@pytest.mark.parametrize("kind", ["nf4", "nf4-dq", "int8"])
+def test_the_kernel_compiled_on_its_probe_serves_real_weights_without_recompiling(kind):
+    """The kernel is compiled (and checked) on the probe; real weights must hit that
+    compilation: a recompilation happens on the upload path (on CUDA a Triton compile, seconds)
+    and gives a variant nobody checked. The arguments are what a model's upload gives
+    (``nf4-dq``'s second level: views into its packed bytes at an offset), over weight shapes
+    from 768 to 1.3M elements; counted by dynamo with a backend that compiles nothing."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fn = fused_dequant.compile_body(kind, torch.bfloat16, backend=counter)
+    with torch.no_grad():
+        fn(*fused_dequant.probe(kind, torch.device("cpu"), quant._TABLES))
+        for shape in ((64, 12), (37, 53), (550, 128), (3, 1000), (256, 257), (1024, 1280)):
+            codes, scales = quantize(weight(shape, 5), kind)
+            n = shape[0] * shape[1]
+            got = fn(*quant._kernel_args(codes, scales, kind, -(-n // 64)), n)
+            assert same_bits(got, dequantize_torch(
+                codes, quant.expand_absmax(scales, -(-n // 64)) if kind == "nf4-dq" else scales,
+                kind, (n,), torch.bfloat16))
+    assert counter.frame_count == 1, kind
+    torch._dynamo.reset()
+
+
 def broken_compile(kind, dtype):
     """What compile_body gives where no compiler runs: torch.compile with a backend that fails
     (as inductor does without Triton or a C++ compiler)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -70,15 +70,25 @@ def nf4(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, n: int,
     return values.view(-1)[:n].to(dtype)
 
 
-def nf4_dq(codes: torch.Tensor, q: torch.Tensor, dq_scales: torch.Tensor,
-           offset: torch.Tensor, table: torch.Tensor, dynamic: torch.Tensor, n: int,
-           dtype: torch.dtype) -> torch.Tensor:
+def nf4_dq(codes: torch.Tensor, q: torch.Tensor, floats: torch.Tensor, table: torch.Tensor,
+           dynamic: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     """NF4 with double quantization: as :func:`nf4`, the absmax of block ``b`` being
-    ``dynamic[q[b]] * dq_scales[b // 256] + offset`` in float32 (uint8 ``q`` ``(nb,)``,
-    float32 ``dq_scales`` ``(ceil(nb / 256),)``, ``offset`` ``(1,)``, ``dynamic`` ``(256,)``)."""
+    ``dynamic[q[b]] * floats[b // 256] + floats[-1]`` in float32 (uint8 ``q`` ``(nb,)``,
+    float32 ``floats`` ``(ceil(nb / 256) + 1,)``: the second-level scales, then the offset,
+    as :func:`absmax_views` gives them; ``dynamic`` ``(256,)``)."""
     block = torch.arange(q.shape[0], device=q.device) // DQ_BLOCK
-    absmax = dynamic[q.long()] * dq_scales[block] + offset
+    absmax = dynamic[q.long()] * floats[:-1][block] + floats[-1:]
     return nf4(codes, absmax, table, n, dtype)
+
+
+def absmax_views(packed: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The double-quantized absmax of ``nb`` blocks (``roundpipe.quant.compress_absmax``'s
+    bytes: ``nb`` uint8 codes, zero padded to a multiple of 4, then the float32 second-level
+    scales and offset) as :func:`nf4_dq`'s arguments, views without a copy: uint8 ``(nb,)``
+    and float32 ``(ceil(nb / 256) + 1,)``. The kernel is compiled on views laid out so
+    (:func:`probe`), as every real weight's are: its guards then hold for them (a probe of
+    separate tensors recompiled at the first real weight, on the upload path, unchecked)."""
+    return packed[:nb], packed[-(-nb // 4) * 4:].view(torch.float32)
 
 
 def int8(codes: torch.Tensor, scales: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -105,13 +115,15 @@ def compile_options() -> dict:
     return options
 
 
-def compile_body(kind: str, dtype: torch.dtype) -> Callable:
+def compile_body(kind: str, dtype: torch.dtype, backend: Any = "inductor") -> Callable:
     """The compiled function for ``kind`` (``"nf4"``, ``"nf4-dq"``, ``"int8"``) writing
     ``dtype``: takes the body's tensor arguments and ``n`` (dynamic shapes: one compilation for
     every size; one per dtype and device type, each a guarded entry of the body's code object,
-    so at most 6 of dynamo's 8 per code object). Compiles lazily, at the first call."""
-    compiled = torch.compile(BODIES[kind], dynamic=True, fullgraph=True,
-                             options=compile_options())
+    so at most 6 of dynamo's 8 per code object). Compiles lazily, at the first call.
+    ``backend``: torch.compile's (tests count compilations with their own)."""
+    options = {"options": compile_options()} if backend == "inductor" else {}
+    compiled = torch.compile(BODIES[kind], dynamic=True, fullgraph=True, backend=backend,
+                             **options)
 
     def run(*args):
         return compiled(*args, dtype)
@@ -138,12 +150,15 @@ def probe(kind: str, device: torch.device, tables: dict) -> tuple:
     codes[:256] = torch.arange(256, dtype=torch.uint8)
     if kind == "nf4":
         return codes.to(device), scales.to(device), tables["nf4"].to(device), n
-    q = torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
+    nb2 = -(-nb // DQ_BLOCK)
+    packed = torch.zeros(-(-nb // 4) * 4 + 4 * (nb2 + 1), dtype=torch.uint8, device=device)
+    q, floats = absmax_views(packed, nb)  # laid out as a real weight's (see absmax_views)
+    q.copy_(torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g))
     q[:256] = torch.arange(256, dtype=torch.uint8)
-    dq_scales = torch.exp2(torch.rand(-(-nb // DQ_BLOCK), generator=g) * 20 - 10)
-    offset = torch.exp2(torch.rand(1, generator=g) * 10 - 8)
-    return (codes.to(device), q.to(device), dq_scales.to(device), offset.to(device),
-            tables["nf4"].to(device), tables["dynamic"].to(device), n)
+    floats.copy_(torch.cat((torch.exp2(torch.rand(nb2, generator=g) * 20 - 10),    # scales
+                            torch.exp2(torch.rand(1, generator=g) * 10 - 8))))     # offset
+    return (codes.to(device), q, floats, tables["nf4"].to(device),
+            tables["dynamic"].to(device), n)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -146,8 +146,8 @@ def expand_absmax(packed: torch.Tensor, nb: int) -> torch.Tensor:
 def _absmax_parts(packed: torch.Tensor, nb: int) -> tuple[torch.Tensor, ...]:
     """Views of :func:`compress_absmax`'s bytes: uint8 codes ``(nb,)``, float32 scales
     ``(ceil(nb / 256),)``, float32 offset ``(1,)``."""
-    floats = packed[_pad4(nb):].view(torch.float32)
-    return packed[:nb], floats[:-1], floats[-1:]
+    q, floats = fused_dequant.absmax_views(packed, nb)
+    return q, floats[:-1], floats[-1:]
 
 
 def _expand(q: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -262,7 +262,7 @@ def _kernel_args(codes: torch.Tensor, scales: torch.Tensor, frozen_dtype: str,
     nf4 = _table("nf4", codes.device)
     if frozen_dtype == "nf4":
         return codes, scales, nf4
-    return (codes, *_absmax_parts(scales, nb), nf4, _table("dynamic", codes.device))
+    return (codes, *fused_dequant.absmax_views(scales, nb), nf4, _table("dynamic", codes.device))
 
 
 def _torch_ops(kind: str, args: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -270,8 +270,8 @@ def _torch_ops(kind: str, args: tuple, dtype: torch.dtype) -> torch.Tensor:
     what its kernels are checked against."""
     *tensors, n = args
     if kind == "nf4-dq":
-        codes, q, dq_scales, offset = tensors[:4]
-        tensors = [codes, _expand(q, dq_scales, offset)]
+        codes, q, floats = tensors[:3]
+        tensors = [codes, _expand(q, floats[:-1], floats[-1:])]
     return dequantize_torch(tensors[0], tensors[1], kind, (n,), dtype)
 
 
