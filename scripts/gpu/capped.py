@@ -15,8 +15,8 @@ import torch
 
 import roundpipe
 import roundpipe.optim as rpo
-from common import (DEVICE, SMOKE, batch, build, empty_cache, llama_config, peak_gib,
-                    reset_peak, save, sync, train_step)
+from common import (DEVICE, SMOKE, allocated_gib, batch, build, empty_cache, llama_config,
+                    peak_gib, reset_peak, save, sync, train_step)
 
 CAP_GB = float(os.environ.get("CAP_GB", "3"))
 cfg = llama_config()
@@ -37,24 +37,26 @@ for mode in ("sync", "async", "exact"):
     model = roundpipe.wrap_model_to_roundpipe(copy.deepcopy(host), torch.float32, device=DEVICE,
                                               num_microbatch=4)
     opt = rpo.AdamW(model.optim_parameters(), lr=1e-4)
-    losses, seconds = [], []
+    losses, seconds, live = [], [], []
     try:
-        for _ in range(4):
+        for _ in range(2 if SMOKE else 5):
             start = time.time()
             losses.append(train_step(model, opt, ids, mode).item())
             sync()
             seconds.append(time.time() - start)
+            live.append(allocated_gib())  # after each call: flat, or something is kept
         model.synchronize()
         error = None
     except torch.cuda.OutOfMemoryError as e:
         error = str(e).splitlines()[0]
-    row = {"losses": losses, "seconds": seconds, "peak_gib": peak_gib(),
+    row = {"losses": losses, "seconds": seconds, "peak_gib": peak_gib(), "live_gib": live,
            "plan": list(model.plan().sizes), "error": error,
            "first_loss_equal": bool(losses) and abs(losses[0] - want) <= 2e-3 * abs(want)}
     result["modes"][mode] = row
     print(f"{mode:>6}: first loss {losses[0] if losses else float('nan'):.6f} (plain {want:.6f}); "
           f"losses {[round(x, 4) for x in losses]}; peak {row['peak_gib']:.2f} GiB of {CAP_GB} "
-          f"GiB; {[round(s, 2) for s in seconds]} s per call; stages {row['plan']}"
+          f"GiB; allocated after each call {[round(x, 3) for x in live]} GiB; "
+          f"{[round(s, 2) for s in seconds]} s per call; stages {row['plan']}"
           + (f"; FAILED: {error}" if error else ""), flush=True)
     del model, opt
     gc.collect()

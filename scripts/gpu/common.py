@@ -77,6 +77,11 @@ def peak_gib() -> float:
     return 0.0 if SMOKE else torch.cuda.max_memory_allocated(torch.device(DEVICE)) / 2**30
 
 
+def allocated_gib() -> float:
+    """Device memory allocated now (GiB)."""
+    return 0.0 if SMOKE else torch.cuda.memory_allocated(torch.device(DEVICE)) / 2**30
+
+
 def reset_peak() -> None:
     if not SMOKE:
         torch.cuda.reset_peak_memory_stats(torch.device(DEVICE))

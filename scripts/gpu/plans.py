@@ -15,13 +15,15 @@ import torch
 
 import roundpipe
 import roundpipe.optim as rpo
-from common import DEVICE, batch, build, empty_cache, llama_config, peak_gib, reset_peak, save, sync
+from common import (DEVICE, SMOKE, batch, build, empty_cache, llama_config, peak_gib, reset_peak,
+                    save, sync)
 
 PLANS = os.environ.get("PLANS", "auto,1,4,12").split(",")
 cfg = llama_config()
 host = build(cfg)
 result = {}
-for rows, microbatches in ((4, 4), (64, 16)):
+SETTLE, TIMED = (1, 1) if SMOKE else (5, 3)  # calls: the plan settles, then timed
+for rows, microbatches in ((2, 2), (4, 2)) if SMOKE else ((4, 4), (64, 16)):
     ids = batch(cfg, rows, 1024)
     tokens = ids.numel()
     for plan in PLANS:
@@ -32,12 +34,12 @@ for rows, microbatches in ((4, 4), (64, 16)):
                                                   layers_per_stage=lps)
         opt = rpo.AdamW(model.optim_parameters(), lr=1e-5)
         kw = {"input_kwargs": {"input_ids": ids, "labels": ids}, "optimizer": opt}
-        for _ in range(5):
+        for _ in range(SETTLE):
             model.forward_backward(**kw)
         model.synchronize()
         sync()
         seconds = []
-        for _ in range(3):
+        for _ in range(TIMED):
             start = time.time()
             model.forward_backward(**kw)
             model.synchronize()
