@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roundpipe import _C
+from roundpipe import _C, quant
 from roundpipe.quant import (DQ_BLOCK, dequantize, dequantize_torch, dynamic_code,
                              expand_absmax, quantize)
 
@@ -81,6 +81,35 @@ def test_cpu_kernel_equals_float64_reference_and_torch_ops(kind, dtype, shape, e
         # bitwise: NaN-free, and -0.0 vs 0.0 counts
         assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), isa
     each_isa(check)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_the_torch_ops_work_in_chunks_of_bounded_temporaries(kind, monkeypatch):
+    """The torch-op path (CUDA's where the compiled kernel is refused) makes int32 indices and
+    float32 products per value: over a whole weight 3-4x its dense size, on the weights stream
+    while the current stage computes. In chunks of 3 blocks here (a partial last chunk and a
+    partial last block), every intermediate it makes is at most a chunk's float32 values, and
+    the result is the float64 reference's bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n = 64 * 10 + 17
+    codes, scales = random_codes(kind, n, seed=3)
+    monkeypatch.setattr(quant, "TORCH_CHUNK_BLOCKS", 3)
+    largest = [0]
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.int32,
+                                                                torch.int64):
+                    largest[0] = max(largest[0], t.numel() * t.element_size())
+            return out
+
+    with Sizes():
+        got = dequantize_torch(codes, scales, kind, (n,), torch.bfloat16)
+    assert torch.equal(got, float64_reference(kind, codes, scales, n, torch.bfloat16))
+    assert 0 < largest[0] <= 3 * 64 * 4
 
 
 def test_big_tensors_use_the_pool_and_give_the_same_bits():

@@ -275,21 +275,38 @@ def _torch_ops(kind: str, args: tuple, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_torch(tensors[0], tensors[1], kind, (n,), dtype)
 
 
+#: blocks per chunk of :func:`dequantize_torch`: 4M values, so its temporaries (the int32
+#: code-book indices and two float32 products, 12 bytes per value) stay near 50 MB whatever the
+#: weight's size (unchunked: 3-4x the dense weight, on the weights stream, under a device cap)
+TORCH_CHUNK_BLOCKS = 1 << 16
+
+
 def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, frozen_dtype: str,
                      shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """:func:`dequantize` with torch ops on the codes' device (the CUDA path; on the CPU, the
-    reference the SIMD kernels are held to and the speed they are measured against), ``scales``
-    already float32 per block (``"nf4-dq"`` expanded)."""
+    """:func:`dequantize` with torch ops on the codes' device (the CUDA path where the compiled
+    kernel is refused; on the CPU, the reference the SIMD kernels are held to and the speed
+    they are measured against), ``scales`` already float32 per block (``"nf4-dq"``
+    expanded). Works through the blocks in chunks of :data:`TORCH_CHUNK_BLOCKS`, each value
+    the float32 product of its code-book value (or int8 code) and its block's scale, rounded
+    once to ``dtype``."""
     n = 1
     for s in shape:
         n *= s
-    if frozen_dtype.startswith("nf4"):
-        idx = torch.stack((codes >> 4, codes & 15), dim=-1).view(-1).int()
-        vals = _table("nf4", codes.device)[idx].view(-1, BLOCK)
-    else:
-        vals = codes.view(-1, BLOCK).float()
-    vals = vals * scales[:, None]
-    return vals.view(-1)[:n].view(tuple(shape)).to(dtype)
+    nf4 = frozen_dtype.startswith("nf4")
+    per_block = BLOCK // 2 if nf4 else BLOCK  # code bytes per block
+    out = torch.empty(n, dtype=dtype, device=codes.device)
+    for b0 in range(0, scales.numel(), TORCH_CHUNK_BLOCKS):
+        b1 = min(b0 + TORCH_CHUNK_BLOCKS, scales.numel())
+        part = codes.view(-1)[b0 * per_block:b1 * per_block]
+        if nf4:
+            idx = torch.stack((part >> 4, part & 15), dim=-1).view(-1).int()
+            vals = _table("nf4", codes.device)[idx].view(-1, BLOCK)
+        else:
+            vals = part.view(-1, BLOCK).float()
+        vals = vals * scales[b0:b1, None]
+        v0, v1 = b0 * BLOCK, min(b1 * BLOCK, n)
+        out[v0:v1] = vals.view(-1)[:v1 - v0]  # rounded to dtype as .to(dtype) does
+    return out.view(tuple(shape))
 
 
 def _stored(scales: torch.Tensor) -> torch.Tensor:
