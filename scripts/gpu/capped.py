@@ -49,13 +49,18 @@ for mode in ("sync", "async", "exact"):
         error = None
     except torch.cuda.OutOfMemoryError as e:
         error = str(e).splitlines()[0]
+    # a cap makes the allocator free cached blocks and retry (a device-wide synchronisation)
+    # when an allocation does not fit the pool of its stream: how often it did
+    retries = 0 if SMOKE else torch.cuda.memory_stats().get("num_alloc_retries", 0)
     row = {"losses": losses, "seconds": seconds, "peak_gib": peak_gib(), "live_gib": live,
+           "alloc_retries": retries,
            "plan": list(model.plan().sizes), "error": error,
            "first_loss_equal": bool(losses) and abs(losses[0] - want) <= 2e-3 * abs(want)}
     result["modes"][mode] = row
     print(f"{mode:>6}: first loss {losses[0] if losses else float('nan'):.6f} (plain {want:.6f}); "
           f"losses {[round(x, 4) for x in losses]}; peak {row['peak_gib']:.2f} GiB of {CAP_GB} "
-          f"GiB; allocated after each call {[round(x, 3) for x in live]} GiB; "
+          f"GiB; allocated after each call {[round(x, 3) for x in live]} GiB; {retries} allocator "
+          f"retries; "
           f"{[round(s, 2) for s in seconds]} s per call; stages {row['plan']}"
           + (f"; FAILED: {error}" if error else ""), flush=True)
     del model, opt

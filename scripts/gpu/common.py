@@ -85,6 +85,7 @@ def allocated_gib() -> float:
 def reset_peak() -> None:
     if not SMOKE:
         torch.cuda.reset_peak_memory_stats(torch.device(DEVICE))
+        torch.cuda.reset_accumulated_memory_stats(torch.device(DEVICE))  # counts, e.g. retries
 
 
 def save(name: str, result: dict) -> None:
