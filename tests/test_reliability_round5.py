@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import roundpipe
@@ -69,3 +70,64 @@ def test_an_int_memory_budget_below_a_mebibyte_is_refused_saying_fractions_are_f
         model = roundpipe.RoundPipe(net, device="cpu", layers_per_stage="auto",
                                     memory_budget=budget)
         model.forward_backward(input_args=(torch.randn(3, 4),), loss_fn=lambda o: o.sum())
+
+
+# --- item 5: torch.nn.utils' gradient functions outside a step function ------------------------
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+GRAD_UTILS = {  # name: (call on the parameters, where the message says it belongs)
+    "clip_grad_value_": (lambda f, ps: f(ps, 0.01), r"inside a step function|model\.step\(lambda"),
+    "clip_grads_with_norm_": (lambda f, ps: f(ps, 0.5, torch.tensor(2.0)), "max_grad_norm="),
+    "clip_grad_norm_": (lambda f, ps: f(ps, 0.5), "max_grad_norm="),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_UTILS))
+@pytest.mark.parametrize("params", ["parameters", "optim_parameters"])
+def test_gradient_utilities_outside_a_step_raise_naming_where_they_belong(name, params):
+    """Was (clip_grad_value_): torch's internal ``Expected !nested_tensorlist[0].empty()``
+    (clip_grads_with_norm_: nothing, silently). Now the call raises before reading anything,
+    naming the step function; the accumulated gradients are kept, and the same call inside a
+    step function is plain PyTorch's (the reference: the unwrapped model, clipped and stepped
+    with torch's functions)."""
+    call, where = GRAD_UTILS[name]
+    fn = getattr(torch.nn.utils, name, None)
+    if fn is None:
+        pytest.skip(f"torch.nn.utils.{name} is not in this torch")
+    model = roundpipe.RoundPipe(_net(), optim_dtype=torch.float32, device="cpu",
+                                num_microbatch=2)
+    opt = torch.optim.SGD(model.optim_parameters(), lr=0.5)
+    x, y = _batch()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+    with pytest.raises(RuntimeError, match=rf"torch\.nn\.utils\.{name} was called on a RoundPipe"
+                                           rf".*outside model\.step\(\).*{where}"):
+        call(fn, getattr(model, params)())
+    # inside the step function: torch's function on the step's gradients
+    model.step(lambda: (call(getattr(torch.nn.utils, name), model.optim_parameters()),
+                        opt.step(), opt.zero_grad()))
+    ref = _net()
+    F.mse_loss(ref(x), y).backward()
+    call(fn, list(ref.parameters()))
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    for got, want in zip(model.optim_parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_utilities_on_a_plain_model_are_torchs():
+    roundpipe.RoundPipe(_net(), device="cpu")  # the guards are installed
+    plain, (x, y) = _net(), _batch()
+    F.mse_loss(plain(x), y).backward()
+    grads = [p.grad.clone() for p in plain.parameters()]
+    torch.nn.utils.clip_grad_value_((p for p in plain.parameters()), 0.01)  # a generator
+    for p, g in zip(plain.parameters(), grads):
+        torch.testing.assert_close(p.grad, g.clamp(-0.01, 0.01))
