@@ -8,6 +8,7 @@ Item 2 (a RoundPipeTrainer checkpoint in plain Trainer) is in tests/test_trainer
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -20,6 +21,123 @@ from roundpipe.planner import LayerCost, Link, check_sizes, plan_stages, predict
 
 LINK = Link(upload_bytes_per_s=50e9, download_bytes_per_s=40e9, visit_s=2e-4, chunk_s=5e-5)
 LAYERS = [LayerCost(10**6, 2 * 10**6, 10**6, 1e-3, 2e-3, True) for _ in range(4)]
+
+
+# --- item 1: dropouts a model's forward applies outside its decoder layers ---------------------
+
+
+def _hf(kind: str, **config):
+    """A tiny float32 ``kind`` causal LM (transformers' class, ``HF_COMMON`` sizes updated by
+    ``config``); skips when the installed transformers lacks the family."""
+    transformers = pytest.importorskip("transformers")
+    from pipeline_models import HF_COMMON
+
+    names = {"starcoder2": "Starcoder2", "phi": "Phi", "granite_swa": "GraniteSWA",
+             "llama": "Llama"}[kind]
+    model_cls = getattr(transformers, f"{names}ForCausalLM", None)
+    if model_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {names}")
+    torch.manual_seed(0)
+    return model_cls(getattr(transformers, f"{names}Config")(**{**HF_COMMON, **config})).float()
+
+
+def _seeded_as_roundpipe(hf: nn.Module, call_seed: int) -> list:
+    """Forward pre-hooks that run the unwrapped model's parts under the seeds RoundPipe's
+    documented rule gives its layers (docs/training.md: ``roundpipe.layer_seed(call_seed,
+    layer, microbatch)``; one microbatch): the embeddings (and what the model's forward does
+    before its first decoder layer) as layer 0, decoder layer i as layer i + 1."""
+    def at(i):
+        def hook(module, args):
+            torch.manual_seed(roundpipe.layer_seed(call_seed, i, 0))
+        return hook
+
+    parts = [hf.model.embed_tokens] + list(hf.model.layers)
+    return [m.register_forward_pre_hook(at(i)) for i, m in enumerate(parts)]
+
+
+@pytest.mark.parametrize("kind,attr,inner", [("starcoder2", "embedding_dropout", "residual_dropout"),
+                                             ("phi", "embd_pdrop", "resid_pdrop")])
+def test_a_models_embedding_dropout_trains_as_transformers_applies_it(kind, attr, inner):
+    """Was: the embedding dropout of Starcoder2's and Phi's model forward was skipped, the
+    training loss with p=0.5 bit-identical to p=0. The reference: transformers' training loss
+    and gradients on the unwrapped model, each part under the seed RoundPipe gives it (one
+    microbatch); the decoder layers' own dropout on too."""
+    for p in (0.5, 0.0):
+        hf = _hf(kind, **{attr: p, inner: 0.1})
+        ref = copy.deepcopy(hf).train()
+        model = roundpipe.wrap_model_to_roundpipe(hf, None, device="cpu", num_microbatch=1)
+        ids = torch.randint(0, 101, (2, 10), generator=torch.Generator().manual_seed(3))
+        torch.manual_seed(7)
+        loss = model.forward_backward(input_kwargs={"input_ids": ids, "labels": ids})
+        torch.manual_seed(7)
+        hooks = _seeded_as_roundpipe(ref, int(torch.randint(2**62, ()).item()))
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward()
+        for h in hooks:
+            h.remove()
+        assert float(loss) == pytest.approx(want.item(), rel=1e-5), (kind, p)
+        grads = model.accumulated_grads()
+        for name, param in ref.named_parameters():
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+        model.eval()
+        with torch.no_grad():  # eval mode: no dropout, as transformers'
+            torch.testing.assert_close(model(input_ids=ids).logits,
+                                       ref.eval()(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_dropout_of_the_models_forward_is_refused_naming_the_config_value():
+    """A base model whose forward applies a dropout after its final norm
+    (``config.final_dropout``), which no decoder layer holds: a family RoundPipe does not know.
+    Was: wrapped without a word (the wrap-time check ran in eval mode, where dropout is off),
+    and trained without that dropout. Now the check also runs in training mode under a fixed
+    seed and refuses it; with the value 0 it is wrapped."""
+    transformers = pytest.importorskip("transformers")
+
+    class FinalDropout(transformers.LlamaModel):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.last_hidden_state = F.dropout(out.last_hidden_state, self.config.final_dropout,
+                                              self.training)
+            return out
+
+    for p in (0.3, 0.0):
+        hf = _hf("llama", final_dropout=p)
+        hf.model = FinalDropout(hf.config)
+        if p:
+            with pytest.raises(TypeError, match=r"in training mode \(with dropout: "
+                                                r"final_dropout=0\.3\)"):
+                roundpipe.wrap_model_to_roundpipe(hf, None, device="cpu")
+            assert hf.training and hf.model.training  # its modes as they were
+        else:
+            roundpipe.wrap_model_to_roundpipe(hf, None, device="cpu")
+
+
+def test_the_wrap_check_draws_no_random_numbers_and_keeps_modes():
+    """The training-mode check runs under its own seed: the user's generator is where it was,
+    every module's mode as it was."""
+    hf = _hf("starcoder2", embedding_dropout=0.2)
+    hf.model.layers[0].eval()
+    torch.manual_seed(11)
+    roundpipe.wrap_model_to_roundpipe(hf, None, device="cpu")
+    after = torch.rand(3)
+    torch.manual_seed(11)
+    torch.testing.assert_close(after, torch.rand(3))
+    assert hf.training and hf.model.training and not hf.model.layers[0].training
+
+
+def test_a_rotary_base_per_layer_is_refused_naming_layer_rope_theta():
+    """GraniteSWA's forward gives each decoder layer the rotary embedding of its base in
+    ``config.layer_rope_theta`` (0: none); the pipeline computes one. Was: wrapped without a
+    word when the first two layers had the model's base (the wrap-time check runs two layers),
+    the later ones then computed with the wrong rotary embedding."""
+    kinds = ["full_attention", "sliding_attention"] * 2
+    ok = _hf("granite_swa", num_hidden_layers=4, layer_types=kinds, sliding_window=4)
+    roundpipe.wrap_model_to_roundpipe(ok, None, device="cpu")  # one base everywhere: fine
+    theta = ok.config.rope_parameters["rope_theta"]
+    hf = _hf("granite_swa", num_hidden_layers=4, layer_types=kinds, sliding_window=4,
+             layer_rope_theta=[theta, theta, 0.0, 0.0])
+    with pytest.raises(TypeError, match=r"config\.layer_rope_theta"):
+        roundpipe.wrap_model_to_roundpipe(hf, None, device="cpu")
 
 
 # --- item 3: predict checks its sizes as plan_stages does --------------------------------------
