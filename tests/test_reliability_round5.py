@@ -55,8 +55,8 @@ def _seeded_as_roundpipe(hf: nn.Module, call_seed: int) -> list:
     return [m.register_forward_pre_hook(at(i)) for i, m in enumerate(parts)]
 
 
-@pytest.mark.parametrize("kind,attr,inner", [("starcoder2", "embedding_dropout", "residual_dropout"),
-                                             ("phi", "embd_pdrop", "resid_pdrop")])
+@pytest.mark.parametrize("kind,attr,inner", [
+    ("starcoder2", "embedding_dropout", "residual_dropout"), ("phi", "embd_pdrop", "resid_pdrop")])
 def test_a_models_embedding_dropout_trains_as_transformers_applies_it(kind, attr, inner):
     """Was: the embedding dropout of Starcoder2's and Phi's model forward was skipped, the
     training loss with p=0.5 bit-identical to p=0. The reference: transformers' training loss
