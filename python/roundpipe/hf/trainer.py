@@ -531,12 +531,12 @@ class RoundPipeTrainerMixin:
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def _save_checkpoint(self, model, trial) -> None:
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         """Trainer's checkpoint, its model weights (:meth:`_save`) at the optimizer copies'
         precision: what plain Trainer's checkpoint of a mixed-precision run holds."""
         self._rp_checkpointing = True
         try:
-            super()._save_checkpoint(model, trial)
+            super()._save_checkpoint(*args, **kwargs)
         finally:
             self._rp_checkpointing = False
 
