@@ -10,7 +10,9 @@ an equal clone after the first step — replicated and sharded, results saved pe
 sharded), ``adafactor_sharded`` (Adafactor refused with sharded copies), ``resume`` (load a
 DCP checkpoint, train on), ``fail`` (rank 1 raises in the second step, in its loss_fn or in
 a layer's backward, in every mode, replicated and sharded: each rank records when and what it
-raised; the process group's timeout is 15 s),
+raised; the process group's timeout is 15 s), ``die MODE SHARD FAILING HOW`` (a plain script
+whose rank FAILING fails in its loss_fn and does not catch it, ``raise`` or ``exit``: every
+rank's process ends; timeout 15 s),
 ``memory`` (peak host bytes per parameter, sharded, exact mode), ``user_collectives`` (the
 user's own collectives on the wrapper's group during asynchronous steps and exact mode:
 an all-reduced loss for logging and ``roundpipe.global_num_items``), ``settings SETTING``
@@ -164,6 +166,42 @@ def fail(out: str, rank: int, world: int) -> None:
         json.dump(record, f)
 
 
+def die(mode: str, shard: bool, failing: int, how: str, rank: int, world: int) -> None:
+    """A plain training script, as most are: rank ``failing`` fails in its loss_fn in the
+    second step and nothing catches it — ``how`` is ``raise`` (an exception ends the process)
+    or ``exit`` (``os._exit(3)``: the process ends without a word). It prints ``FAILED_AT
+    <time>`` first; every other rank prints ``RAISED_AT <time>`` when its script raises, and
+    lets the exception end its process too."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 6))
+    model = roundpipe.RoundPipe(net, process_group=dist.group.WORLD, shard_optimizer=shard,
+                                num_microbatch=2)
+    opt = rpo.AdamW(model.optim_parameters(), lr=LR, eps=1e-3)
+    now = {"step": 0}
+
+    def loss(out_, target):
+        if rank == failing and now["step"] == 1:
+            print(f"FAILED_AT {time.time()}", file=sys.stderr, flush=True)
+            if how == "exit":
+                os._exit(3)
+            raise RuntimeError(f"boom on rank {rank}")
+        return loss_fn(out_, target)
+
+    def steps():
+        train(model, opt, mode, range(4), rank, world, lf=loss,
+              before_step=lambda step: now.update(step=step))
+
+    if rank == failing:
+        steps()
+        return
+    try:
+        steps()
+    except BaseException:
+        print(f"RAISED_AT {time.time()}", file=sys.stderr, flush=True)
+        raise
+    print("trained on as if nothing had happened", file=sys.stderr)
+
+
 def memory_per_parameter(layers: int = 12, hidden: int = 1024) -> float:
     """Peak RSS over the parameter count of a bf16 model, fp32 AdamW, sharded, exact mode,
     CPU device, after a warm-up of what does not grow with the model."""
@@ -202,8 +240,8 @@ def memory_per_parameter(layers: int = 12, hidden: int = 1024) -> float:
 def main() -> None:
     case, out = sys.argv[1], sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15 if case == "fail"
-                                                                    else 20))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(
+        seconds=15 if case in ("fail", "die") else 20))
     if case == "train":
         for shard in (False, True):
             for mode in sys.argv[3].split(","):
@@ -343,6 +381,8 @@ def main() -> None:
         print(memory_per_parameter(), flush=True)
     elif case == "fail":
         fail(out, rank, world)
+    elif case == "die":
+        die(sys.argv[3], sys.argv[4] == "1", int(sys.argv[5]), sys.argv[6], rank, world)
     dist.destroy_process_group()
 
 

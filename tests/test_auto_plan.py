@@ -88,7 +88,7 @@ def test_training_does_not_depend_on_the_plan_and_matches_plain_pytorch():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_every_planned_stage_fits_in_half_the_budget():
+def test_every_planned_stage_fits_in_half_the_budget(monkeypatch):
     """A budget of about three layers' measured bytes: several stages, each within half of it,
     each as the meter measured it (weights, gradient sums, activations of one microbatch)."""
     probe = RoundPipe(_net(8, 64), device="cpu", num_microbatch=2, layers_per_stage="auto",
@@ -96,8 +96,10 @@ def test_every_planned_stage_fits_in_half_the_budget():
     _train_wide(probe, 2)
     per_layer = max(probe.plan().stage_bytes) / 8  # one stage of all 8 layers: their mean
     budget = int(2 * 3 * per_layer)
+    # all of a device that small (an int budget under 1 MiB is refused: test_reliability_round5)
+    monkeypatch.setattr(roundpipe.staging, "device_memory", lambda devices: budget)
     model = RoundPipe(_net(8, 64), device="cpu", num_microbatch=2, layers_per_stage="auto",
-                      memory_budget=budget)
+                      memory_budget=1.0)
     _train_wide(model, 4)
     plan = model.plan()
     assert 1 < len(plan.sizes) < 8, plan
@@ -113,9 +115,11 @@ def _train_wide(model: RoundPipe, calls: int):
         model.step(opt)
 
 
-def test_a_layer_larger_than_half_the_budget_is_refused_naming_it():
+def test_a_layer_larger_than_half_the_budget_is_refused_naming_it(monkeypatch):
+    # a device of 100 kB (an int budget that small is refused: test_reliability_round5)
+    monkeypatch.setattr(roundpipe.staging, "device_memory", lambda devices: 100_000)
     net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4096), nn.Linear(4096, 4))
-    model = RoundPipe(net, device="cpu", layers_per_stage="auto", memory_budget=100_000)
+    model = RoundPipe(net, device="cpu", layers_per_stage="auto", memory_budget=1.0)
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     model.forward_backward(input_args=(x,), label=y, loss_fn=_loss)  # measured, one per stage
     model.zero_grad()

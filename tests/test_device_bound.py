@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import roundpipe.optim as rpo
+import roundpipe.staging
 from roundpipe import RoundPipe
 from roundpipe.transfer import base as transfer_base
 
@@ -141,11 +142,12 @@ def test_at_most_two_stages_of_weights_and_nothing_after_the_call(uploads, mode,
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_bound_follows_an_automatic_plan(uploads, mode):
-    """``layers_per_stage="auto"`` with a budget of about three layers: the planned stages (of
-    several layers) obey the same bound as one-layer stages."""
+def test_the_bound_follows_an_automatic_plan(uploads, mode, monkeypatch):
+    """``layers_per_stage="auto"`` with a budget of about three layers (0.6 of a 100 kB
+    device): the planned stages (of several layers) obey the same bound as one-layer stages."""
+    monkeypatch.setattr(roundpipe.staging, "device_memory", lambda devices: 100_000)
     model = RoundPipe(_mlp().to(torch.bfloat16), optim_dtype=torch.float32, device="cpu",
-                      num_microbatch=3, layers_per_stage="auto", memory_budget=60_000)
+                      num_microbatch=3, layers_per_stage="auto", memory_budget=0.6)
     x, y = torch.randn(12, 32).bfloat16(), torch.randn(12, 4)
     _train(model, mode, 4, x, y, lambda o, t: ((o.float() - t) ** 2).mean())
     assert 1 < len(model.plan().sizes) < 8 and max(model.plan().sizes) > 1

@@ -9,13 +9,15 @@ torchrun would (tests/distributed_ranks.py), each run bounded by a timeout:
 - sharded optimizer state: the per-rank element counts sum to the total and are balanced;
 - a DCP checkpoint saved at 2 ranks loads in 1 process and at 3 ranks, and training continues
   as the uninterrupted run;
-- a failing rank surfaces on every rank within the process group's timeout, in every mode.
+- a failing rank surfaces on every rank within the process group's timeout, in every mode,
+  and so does one whose uncaught exception (or ``os._exit``) ends its process.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -143,6 +145,54 @@ def test_a_failing_rank_surfaces_on_every_rank_within_the_groups_timeout(tmp_pat
             assert late < timeout + slack, (name, r, late)
             if r != 1:
                 assert "rank 1 failed" in got["raised"][1], (name, r, got["raised"][1])
+
+
+# (world, mode, sharded, failing rank, how): each mode, replicated and sharded, 2 and 3 ranks,
+# rank 0 (which holds the store) and another failing, an exception and os._exit ("exit": the
+# process ends without a word), in three launches (each starts the ranks afresh: about 10 s of
+# a 2-core machine); the mode x sharding product is the test above's, with the ranks alive
+DYING = [(3, "exact", True, 0, "raise"), (3, "async", False, 2, "raise"),
+         (2, "step", True, 0, "exit")]
+
+
+@pytest.mark.parametrize("world,mode,shard,failing,how", DYING)
+def test_a_rank_whose_exception_ends_its_process_is_named_on_every_rank(tmp_path, world, mode,
+                                                                       shard, failing, how):
+    """Plain scripts that do not catch: rank ``failing`` fails in its loss_fn in the second
+    step and its process ends. Was: the others failed with gloo's "Connection closed by peer
+    ... GLHF!", naming no rank and no cause (the reason was written to the store, but the
+    process was gone before a wait read it, and with rank 0 the store went with it). Now every
+    other rank raises RoundPipe's error naming the failed rank and its error (the failed
+    process stays until each knows), within the group's timeout (15 s); a process that ends
+    without a word (``os._exit``) is still named, by its PID."""
+    timeout, slack = 15.0, 5.0
+    results = launcher.launch("distributed_ranks.py", world, "die", tmp_path, mode,
+                              "1" if shard else "0", failing, how, timeout=200)
+
+    def stamp(err: str, key: str) -> float:
+        return float(next(line.split()[1] for line in err.splitlines() if line.startswith(key)))
+
+    failed_at = stamp(results[failing].stderr, "FAILED_AT")
+    if how == "raise":
+        assert results[failing].returncode == 1
+        assert f"RuntimeError: boom on rank {failing}" in results[failing].stderr
+        want = rf"rank {failing} failed: RuntimeError: boom on rank {failing}"
+    else:
+        assert results[failing].returncode == 3
+        want = rf"rank {failing} \(PID \d+\) left: its process ended without saying why"
+    for r, got in enumerate(results):
+        if r == failing:
+            continue
+        err = got.stderr
+        assert got.returncode == 1 and "trained on as if" not in err, (r, err[-3000:])
+        # the exception's line of the traceback (torch prefixes each line with "[rankN]: ")
+        last = [line for line in err.splitlines()
+                if re.match(r"(\[rank\d+\]: )?RuntimeError", line)][-1]
+        assert re.search(r"RoundPipe: the process group's collectives were abandoned \(" + want,
+                         last), (r, err[-3000:])
+        late = stamp(err, "RAISED_AT") - failed_at
+        print(f"rank {r}: raised {late:.2f} s after rank {failing} failed")
+        assert late < timeout + slack, (r, late)
 
 
 def test_adafactor_is_refused_when_the_optimizer_copies_are_sharded(tmp_path):

@@ -3,7 +3,7 @@ against plain ``transformers.Trainer`` in one process on the whole batch (each r
 of it): the logged loss, grad_norm and learning_rate equal at every step (relative 1e-4),
 eval_loss equal, final weights equal, with the optimizer sharded over the ranks; the
 checkpoint the two ranks saved at step 10 resumes in one process and logs what the plain
-Trainer logged."""
+Trainer logged (plain Trainer refuses its sharded optimizer state)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import trainer_cases as tc  # noqa: E402
@@ -42,6 +42,16 @@ def test_two_gloo_ranks_equal_plain_trainer_on_the_whole_batch_and_resume_in_one
     resumed = run_ours("llama", tmp_path / "resumed", resume=str(checkpoint))
     got = [h for h in tc.train_logs(resumed.state.log_history) if h["step"] > 10]
     assert_same_logs(got, [h for h in ref_logs if h["step"] > 10])
+    # plain Trainer cannot take its optimizer state (each rank wrote only its rows): it
+    # refuses the checkpoint's optimizer.pt rather than resuming with fresh moments
+    tc.reset_accelerate()
+    plain = transformers.Trainer(model=tc.make_model("llama"),
+                                 args=tc.training_args(tmp_path / "plain", eval_strategy="no"),
+                                 train_dataset=tc.TokenData(48))
+    with pytest.raises(ValueError, match="parameter group"):
+        plain.train(resume_from_checkpoint=str(checkpoint))
+    note = torch.load(checkpoint / "optimizer.pt")["param_groups"][0]["roundpipe"]
+    assert "sharded" in note and "RoundPipeTrainer" in note
 
 
 @pytest.mark.parametrize("shard", [False, True])

@@ -110,6 +110,48 @@ def test_a_checkpoint_without_optimizer_state_is_refused_with_the_way_forward(tm
         run_ours("llama", tmp_path / "ours2", resume=str(empty), max_steps=4)
 
 
+def test_plain_trainer_resumes_a_roundpipe_trainer_checkpoint_as_the_uninterrupted_run(tmp_path):
+    """RoundPipeTrainer saves checkpoint-4; plain ``transformers.Trainer`` resumes from it and
+    logs what plain Trainer's uninterrupted run logged for steps 5-8. Was: the checkpoint had
+    no optimizer.pt, so plain Trainer resumed without a word with fresh AdamW moments (and a
+    fresh scheduler: it reads scheduler.pt only beside optimizer.pt)."""
+    steps = dict(max_steps=8, eval_strategy="no", save_strategy="steps", save_steps=4)
+    ref_trainer, _ = run_plain("llama", tmp_path / "ref", **steps)
+    run_ours("llama", tmp_path / "ours", **steps)
+    checkpoint = tmp_path / "ours" / "checkpoint-4"
+    reset_accelerate()
+    plain = transformers.Trainer(model=tc.make_model("llama"),
+                                 args=tc.training_args(tmp_path / "plain", **steps),
+                                 train_dataset=tc.TokenData(48))
+    plain.train(resume_from_checkpoint=str(checkpoint))
+    got = [h for h in tc.train_logs(plain.state.log_history) if h["step"] > 4]
+    want = [h for h in tc.train_logs(ref_trainer.state.log_history) if h["step"] > 4]
+    print("\nplain Trainer resumed from RoundPipeTrainer's checkpoint-4\n"
+          + comparison_table(got, want))
+    assert [h["step"] for h in got] == list(range(5, 9))
+    assert_same_logs(got, want)
+    assert (checkpoint / "optimizer.pt").is_file() and (checkpoint / "roundpipe_state").is_dir()
+
+
+def test_a_mixed_precision_checkpoint_holds_the_full_precision_weights(tmp_path):
+    """bf16=True: the checkpoint's model.safetensors (what plain Trainer and
+    from_pretrained read) holds the fp32 optimizer copies, as plain Trainer's checkpoint of a
+    bf16 run holds its fp32 parameters, not their bf16 rounding; save_model keeps the model
+    copy's dtype."""
+    from safetensors.torch import load_file
+
+    steps = dict(max_steps=2, eval_strategy="no", save_strategy="steps", save_steps=2, bf16=True)
+    ours = run_ours("llama", tmp_path / "ours", **steps)
+    saved = load_file(str(tmp_path / "ours" / "checkpoint-2" / "model.safetensors"))
+    copies = dict(ours.model.optim_named_parameters())
+    assert copies
+    for name, copy in copies.items():
+        assert saved[name].dtype == torch.float32 and torch.equal(saved[name], copy), name
+    ours.save_model(str(tmp_path / "final"))
+    final = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in final.values())
+
+
 def test_save_model_reloads_with_plain_transformers(tmp_path):
     _, ref_model = run_plain("qwen3", tmp_path / "ref", eval_strategy="no")
     ours = run_ours("qwen3", tmp_path / "ours", eval_strategy="no")

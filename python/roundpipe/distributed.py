@@ -26,6 +26,19 @@ the group's store, which every rank's waits poll (every :data:`POLL_S` seconds),
 ranks raise too, naming the failed rank, well within the timeout (gloo itself has no abort that
 ends a peer's wait). An abandoned group is not used again: every later call of the wrapper on
 any rank that saw it raises; the ranks must be restarted (as after a failed DDP step).
+
+**A rank whose process ends.** The usual script does not catch: the exception ends the
+process, and with it the gloo connections (the others' waits would end with gloo's "Connection
+closed by peer", naming no rank) and, on the rank that started the store (rank 0 without
+torchrun's agent), the store that holds the reason. So an uncaught exception (``sys.excepthook``,
+chained once a group is made) abandons every live group of the process with that error, and the
+process then stays until every other rank has read why or left (each rank acknowledges in the
+store once it knows, :meth:`Comm.linger`), at most the group's timeout; a process leaving with a
+group it abandoned (``sys.exit`` after a failure) does the same at exit. A rank whose wait ends
+with an error of gloo's looks for the reason in the store before it raises; when there is none
+(the process was killed, or ended by ``os._exit``, with the store gone or not), the ranks whose
+processes are gone are named from what each rank told at the start (host, PID namespace, PID:
+known for the ranks on this host).
 """
 
 from __future__ import annotations
@@ -35,6 +48,9 @@ import datetime
 import hashlib
 import math
 import os
+import socket
+import sys
+import threading
 import time
 import weakref
 from typing import Any, Optional, Sequence
@@ -51,6 +67,8 @@ REDUCTIONS = ("mean", "sum")
 PIECE = 1 << 20  # elements per rank in one collective
 POLL_S = 0.05  # how often a wait on a collective looks for another rank's abort
 _ABORT_KEY = "roundpipe/aborted"
+_ACK_KEY = "roundpipe/knows/{}"  # rank {} knows why the group was abandoned
+LINGER_NOTE_S = 1.0  # a failed rank says that it waits for the others after this many seconds
 # RoundPipe's gloo groups made by this process, and the collectives abandoned on them after a
 # failure: torn down at exit (_close_groups), never before (destroying a group while the
 # ranks still make new ones would give them different group names)
@@ -73,6 +91,9 @@ def _close_groups() -> None:
     threads._stop_workers()
     if os.getpid() != _PID:
         return
+    for comm in list(_comms):  # a group this process abandoned: the others learn why first
+        if comm.aborted is not None and comm.store is not None:
+            comm.linger()
     for work in _abandoned:
         try:
             work.wait()
@@ -88,6 +109,60 @@ def _close_groups() -> None:
         except (ValueError, RuntimeError, AssertionError):
             pass  # destroyed already (the user's destroy_process_group())
     _groups.clear()
+
+
+def _identity() -> tuple:
+    """This process as the other ranks can check on it: (host name, PID namespace, PID)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:  # not Linux: no way to look at another process's state
+        namespace = None
+    return socket.gethostname(), namespace, os.getpid()
+
+
+def _process_gone(ident: tuple) -> bool:
+    """Whether the process ``ident`` (:func:`_identity`) has ended: known only for a process
+    on this host, in this PID namespace, on Linux (``/proc``: gone, or a zombie); False when it
+    cannot be told."""
+    host, namespace, pid = ident
+    mine = _identity()
+    if namespace is None or (host, namespace) != mine[:2]:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
+
+
+_hook_lock = threading.Lock()
+_previous_hook: Any = None
+
+
+def _install_excepthook() -> None:
+    """Chains :func:`_uncaught` before the current ``sys.excepthook`` (once per process)."""
+    global _previous_hook
+    with _hook_lock:
+        if _previous_hook is None:
+            _previous_hook = sys.excepthook
+            sys.excepthook = _uncaught
+
+
+def _uncaught(kind: type, error: BaseException, tb: Any) -> None:
+    """``sys.excepthook``: the traceback is printed as before; then every live group of this
+    process is abandoned with ``error`` (the other ranks' waits raise naming this rank and the
+    error) and the process waits until the others know (:meth:`Comm.linger`)."""
+    (_previous_hook or sys.__excepthook__)(kind, error, tb)
+    if os.getpid() != _PID:
+        return
+    for comm in list(_comms):
+        if comm.store is None or comm.size < 2:
+            continue
+        comm.abort(error)
+        comm.linger()
 
 
 # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per call) for this name, the same
@@ -145,7 +220,11 @@ class Comm:
         self.store = self.group.get_group_store()
         self.aborted: Optional[str] = None  # why the group was abandoned
         _groups.append(self.group)
+        # every rank's process (_identity), to name a rank whose process ended without a word
+        self.processes: list = [None] * self.size
+        dist.all_gather_object(self.processes, _identity(), group=self.group)
         _comms.add(self)
+        _install_excepthook()
 
     # --- construction --------------------------------------------------------------------------
 
@@ -206,14 +285,25 @@ class Comm:
             self.store.compare_set(_ABORT_KEY, "", reason)
         except Exception:  # noqa: BLE001 - best effort: the timeout still bounds the others
             pass
+        self._knows()
 
     def check(self) -> None:
         """Raises ``RuntimeError`` when the group was abandoned (this rank's own failure, or
         another rank's seen by a wait); nothing is issued on it any more."""
         if self.aborted is not None:
-            raise RuntimeError(f"RoundPipe: the process group's collectives were abandoned "
-                               f"({self.aborted}); the ranks cannot train on together: restart "
-                               "them (e.g. from the last checkpoint)")
+            raise self._abandoned()
+
+    def _abandoned(self) -> RuntimeError:
+        return RuntimeError(f"RoundPipe: the process group's collectives were abandoned "
+                            f"({self.aborted}); the ranks cannot train on together: restart "
+                            "them (e.g. from the last checkpoint)")
+
+    def _knows(self) -> None:
+        """Tells the other ranks (the store) that this one knows the group was abandoned."""
+        try:
+            self.store.set(_ACK_KEY.format(self.rank), "1")
+        except Exception:  # noqa: BLE001 - unreachable store: nobody waits to read it
+            pass
 
     def _remote_abort(self) -> None:
         """Marks the group abandoned when another rank wrote why to the store."""
@@ -224,6 +314,51 @@ class Comm:
         except Exception:  # noqa: BLE001 - unreachable store: gloo's own timeout still holds
             return
         self.aborted = reason
+        self._knows()
+
+    def _explain(self) -> bool:
+        """After an error of gloo's (a peer closed its connection): marks the group abandoned
+        for the reason another rank wrote to the store, else naming the ranks whose processes
+        are gone (:func:`_process_gone`); False when neither is known."""
+        self._remote_abort()
+        if self.aborted is not None:
+            return True
+        gone = [r for r, ident in enumerate(self.processes)
+                if r != self.rank and ident is not None and _process_gone(ident)]
+        if not gone:
+            return False
+        which = ", ".join(f"rank {r} (PID {self.processes[r][2]})" for r in gone)
+        self.aborted = (f"{which} left: its process ended without saying why (killed, "
+                        "os._exit or a crash, or its reason could not be read)")
+        self._knows()
+        return True
+
+    def linger(self) -> None:
+        """This rank abandoned the group and its process is about to end: waits until every
+        other rank knows why (it acknowledged in the store, or its process is gone), polling
+        every :data:`POLL_S` seconds, at most the group's timeout, so that the reason can be
+        read (from the store, which may live in this process) and the others' waits end with
+        it rather than with gloo's "Connection closed by peer". Says on stderr that it waits
+        when that takes more than :data:`LINGER_NOTE_S` seconds. Returns at once when the
+        store cannot be reached (nothing can be read from it then)."""
+        start = time.monotonic()
+        noted = False
+        pending = [r for r in range(self.size) if r != self.rank]
+        while pending:
+            try:
+                pending = [r for r in pending if not _process_gone(self.processes[r])
+                           and not self.store.check([_ACK_KEY.format(r)])]
+            except Exception:  # noqa: BLE001 - the store is gone
+                return
+            waited = time.monotonic() - start
+            if not pending or waited > self.timeout.total_seconds():
+                return
+            if not noted and waited > LINGER_NOTE_S:
+                noted = True
+                print(f"RoundPipe: rank {self.rank} waits (at most {self.timeout}) for rank(s) "
+                      f"{pending} to learn why it failed before its process ends",
+                      file=sys.stderr, flush=True)
+            time.sleep(POLL_S)
 
     def _finish(self, work) -> None:
         """Waits for one collective, looking for an abort every :data:`POLL_S` seconds; its
@@ -245,6 +380,8 @@ class Comm:
         except RuntimeError as e:
             if not work.is_completed():
                 _abandoned.append(work)  # it ends with the timeout; waited for at exit
+            if self.aborted is None and self._explain():  # gloo's error: who left, and why
+                raise self._abandoned() from e
             self.abort(e)
             raise
 

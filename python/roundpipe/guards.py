@@ -18,11 +18,13 @@ without a word:
   ``OptimizerCtx`` while the optimizer copies are separate), which never get a gradient. A
   global optimizer step pre-hook (installed when the first RoundPipe is built, never at
   import) raises instead (:func:`register_copies`, :func:`inside_step`);
-- ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` before ``model.step``: the
-  gradients are held by the wrapper until its step, so torch would measure a norm of 0 and clip
-  nothing. Installed with the step pre-hook, :func:`_guarded_clip` stands in for
-  ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad.clip_grad_norm_``): over a
-  live RoundPipe's parameters outside its step it raises, naming ``max_grad_norm=``; for every
+- ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` (or ``clip_grad_value_``,
+  ``clip_grads_with_norm_``: torch.nn.utils' functions that read ``.grad``) before
+  ``model.step``: the gradients are held by the wrapper until its step, so torch would measure
+  a norm of 0 and clip nothing (or fail inside on an empty list). Installed with the step
+  pre-hook, :func:`_guarded_grad_util` stands in for each (under ``torch.nn.utils`` and
+  ``torch.nn.utils.clip_grad``): over a live RoundPipe's parameters outside its step it
+  raises, naming where the call belongs (``max_grad_norm=``, a step function); for every
   other call it is torch's function, called as it was.
 """
 
@@ -219,16 +221,26 @@ def _refuse(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 _refuse.roundpipe_guard = True  # ours: not a user hook (see Steps.layerwise)
 
 
-_CLIP_MESSAGE = (
-    "torch.nn.utils.clip_grad_norm_ was called on a RoundPipe model's {what} outside "
-    "model.step(): the wrapper holds the accumulated gradients until its own step, so torch "
-    "would measure a norm of 0 and clip nothing. Pass max_grad_norm= to the step instead: "
-    "model.step(opt, max_grad_norm=1.0) (in exact mode forward_backward(..., optimizer=opt, "
-    "max_grad_norm=1.0); RoundPipeTrainer: TrainingArguments(max_grad_norm=...)), which clips "
-    "by the global norm with clip_grad_norm_'s arithmetic; model.last_step_stats().grad_norm "
-    "is the norm it measured. Inside a step function, clip_grad_norm_(model.parameters(), ...) "
-    "works as in a plain loop: model.step(lambda: (clip_grad_norm_(model.parameters(), 1.0), "
-    "opt.step(), opt.zero_grad()))")
+# torch.nn.utils' functions that read the .grad of the parameters they are given, and what a
+# call over a RoundPipe's parameters outside its step should do instead
+_GRAD_UTILS = {
+    "clip_grad_norm_": (
+        "would measure a norm of 0 and clip nothing. Pass max_grad_norm= to the step instead: "
+        "model.step(opt, max_grad_norm=1.0) (in exact mode forward_backward(..., optimizer=opt, "
+        "max_grad_norm=1.0); RoundPipeTrainer: TrainingArguments(max_grad_norm=...)), which "
+        "clips by the global norm with clip_grad_norm_'s arithmetic; "
+        "model.last_step_stats().grad_norm is the norm it measured", "1.0"),
+    "clip_grads_with_norm_": (
+        "would scale no gradient. Pass max_grad_norm= to the step instead: "
+        "model.step(opt, max_grad_norm=1.0), which clips by the global norm", "1.0, total_norm"),
+    "clip_grad_value_": (
+        "would find no gradient to clamp (torch then fails on an empty list)", "0.5"),
+}
+_GRAD_MESSAGE = (
+    "torch.nn.utils.{name} was called on a RoundPipe model's {what} outside model.step(): the "
+    "wrapper holds the accumulated gradients until its own step, so torch {why}. Inside a step "
+    "function, {name}(model.parameters(), ...) works as in a plain loop: model.step(lambda: "
+    "({name}(model.parameters(), {args}), opt.step(), opt.zero_grad()))")
 
 
 def _inside_owners_steps(params: list) -> bool:
@@ -243,40 +255,45 @@ def _inside_owners_steps(params: list) -> bool:
     return True
 
 
-def _guarded_clip(original):
-    """``original`` (torch's ``clip_grad_norm_``), raising ``RuntimeError`` (see
-    :data:`_CLIP_MESSAGE`) before anything is read or changed when ``parameters`` holds a live
-    RoundPipe's model copy, or its optimizer copy outside its step."""
+def _guarded_grad_util(original, name: str):
+    """``original`` (torch's ``torch.nn.utils.<name>``, one of :data:`_GRAD_UTILS`), raising
+    ``RuntimeError`` (see :data:`_GRAD_MESSAGE`) before anything is read or changed when
+    ``parameters`` holds a live RoundPipe's model copy, or its optimizer copy outside its
+    step; otherwise torch's function, called as it was (``parameters`` as a list: a generator
+    is read once)."""
+    why, args = _GRAD_UTILS[name]
 
     @functools.wraps(original)
-    def clip_grad_norm_(parameters, *args: Any, **kwargs: Any):
+    def guarded(parameters, *rest: Any, **kwargs: Any):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if _copies:
             kinds = {_kind(p) for p in params}
-            if "model" in kinds:
-                # the model copies never get a gradient, inside a step or not
-                raise RuntimeError(_CLIP_MESSAGE.format(what="model copies (model.parameters() "
-                                                            "outside OptimizerCtx)"))
-            if "optim" in kinds and not _inside_owners_steps(params):
-                raise RuntimeError(_CLIP_MESSAGE.format(what="parameters"))
-        return original(params, *args, **kwargs)
+            what = None
+            if "model" in kinds:  # the model copies never get a gradient, inside a step or not
+                what = "model copies (model.parameters() outside OptimizerCtx)"
+            elif "optim" in kinds and not _inside_owners_steps(params):
+                what = "parameters"
+            if what is not None:
+                raise RuntimeError(_GRAD_MESSAGE.format(name=name, what=what, why=why, args=args))
+        return original(params, *rest, **kwargs)
 
-    clip_grad_norm_.roundpipe_guard = True
-    return clip_grad_norm_
+    guarded.roundpipe_guard = True
+    return guarded
 
 
 def _install_clip_guard() -> None:
-    """Puts :func:`_guarded_clip` in place of ``torch.nn.utils.clip_grad_norm_`` (the names
-    user code calls it by); called once, with the step pre-hook."""
+    """Puts :func:`_guarded_grad_util` in place of each of :data:`_GRAD_UTILS` under the names
+    user code calls them by (``torch.nn.utils.<name>`` and, where torch defines it there,
+    ``torch.nn.utils.clip_grad.<name>``, which torch's own ``clip_grad_norm`` alias calls);
+    called once, with the step pre-hook."""
     from torch.nn.utils import clip_grad
 
-    original = clip_grad.clip_grad_norm_
-    if getattr(original, "roundpipe_guard", False):
-        return
-    guarded = _guarded_clip(original)
-    clip_grad.clip_grad_norm_ = guarded
-    if torch.nn.utils.clip_grad_norm_ is original:
-        torch.nn.utils.clip_grad_norm_ = guarded
+    for name in _GRAD_UTILS:
+        for module in (torch.nn.utils, clip_grad):
+            original = getattr(module, name, None)
+            if original is None or getattr(original, "roundpipe_guard", False):
+                continue
+            setattr(module, name, _guarded_grad_util(original, name))
 
 
 def user_hooks(hooks: Iterable[Any]) -> list:

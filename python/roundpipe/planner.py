@@ -31,6 +31,7 @@ predicted time is a sum of terms over consecutive pairs of stages.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -150,12 +151,26 @@ def first_backward_layer(layers: Sequence[LayerCost]) -> int:
     return next((i for i, layer in enumerate(layers) if layer.trainable), len(layers) - 1)
 
 
+def _check_counts(where: str, num_microbatch: int, num_devices: int) -> None:
+    """Raises ``ValueError`` naming ``where`` unless both counts are >= 1."""
+    if num_microbatch < 1 or num_devices < 1:
+        raise ValueError(f"{where}: num_microbatch and num_devices must be >= 1, got "
+                         f"{num_microbatch}, {num_devices}")
+
+
 def predict(layers: Sequence[LayerCost], sizes: Sequence[int], num_microbatch: int,
             num_devices: int, link: Link) -> float:
     """The predicted seconds of a training call with stages of ``sizes`` (see the module
-    docstring), by walking the pass's visits in order."""
+    docstring), by walking the pass's visits in order.
+
+    Raises:
+        ValueError: ``sizes`` is not a plan of ``layers`` (positive ints summing to their
+            number, :func:`check_sizes`), or a count < 1, as :func:`plan_stages` refuses them.
+    """
     from .pipeline.schedule import pass_order
 
+    sizes = check_sizes(sizes, len(layers), "predict: sizes")
+    _check_counts("predict", num_microbatch, num_devices)
     M = num_microbatch
     starts = [0]
     for n in sizes:
@@ -213,7 +228,8 @@ def plan_stages(layers: Sequence[LayerCost], num_microbatch: int, num_devices: i
         layers: every layer's costs, in order (at least one).
         num_microbatch: microbatches per call, >= 1.
         num_devices: compute devices, >= 1 (stages go to them round-robin).
-        budget_bytes: device memory the pipeline may use on each device, > 0.
+        budget_bytes: device memory the pipeline may use on each device, bytes > 0
+            (``math.inf``: no limit; the plan is then the fastest of all).
         link: bandwidths and the host's costs.
         names: the layers' names for error messages (default ``layer i``).
         min_last_start: the last stage starts at this layer or later (e.g. a Hugging Face MoE
@@ -224,17 +240,15 @@ def plan_stages(layers: Sequence[LayerCost], num_microbatch: int, num_devices: i
         The plan, with its predicted time and each stage's device bytes.
 
     Raises:
-        ValueError: no layer, bad counts or budget, or a layer that alone holds more than half
-            the budget (the message names it, its bytes and the budget).
+        ValueError: no layer, bad counts, a budget that is not a number > 0 (NaN, a string,
+            None: the message names ``budget_bytes``), or a layer that alone holds more than
+            half the budget (the message names it, its bytes and the budget).
     """
     L, M, D = len(layers), num_microbatch, num_devices
     if L < 1:
         raise ValueError("plan_stages: no layer to plan")
-    if M < 1 or D < 1:
-        raise ValueError(f"plan_stages: num_microbatch and num_devices must be >= 1, got {M}, {D}")
-    if budget_bytes <= 0:
-        raise ValueError(f"plan_stages: budget_bytes must be > 0, got {budget_bytes}")
-    cap = budget_bytes // 2
+    _check_counts("plan_stages", M, D)
+    cap = _half(budget_bytes)
     for i, layer in enumerate(layers):
         if layer.device_bytes > cap:
             name = names[i] if names is not None else f"layer {i}"
@@ -274,6 +288,21 @@ def plan_stages(layers: Sequence[LayerCost], num_microbatch: int, num_devices: i
         starts.append(starts[-1] + n)
     return StagePlan(sizes, best, tuple(sums.dev[b] - sums.dev[a] for a, b in zip(starts, starts[1:])),
                      budget_bytes)
+
+
+def _half(budget_bytes: float) -> float:
+    """What one stage may hold of ``budget_bytes``: its half (``math.inf`` for an infinite
+    budget: no cap).
+
+    Raises:
+        ValueError: naming ``budget_bytes``, unless it is a real number > 0 (not NaN, not a
+            bool).
+    """
+    if (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real)
+            or budget_bytes != budget_bytes or not budget_bytes > 0):
+        raise ValueError("plan_stages: budget_bytes must be a number of bytes > 0 (math.inf: "
+                         f"no limit), got {budget_bytes!r}")
+    return math.inf if budget_bytes == math.inf else budget_bytes // 2
 
 
 def _plan_one_device(L, first, fence, fits, upload, fwd, bwd, download):

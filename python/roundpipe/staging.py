@@ -41,6 +41,9 @@ SETTLE_CALLS = 4
 #: the host's costs per stage visit and per microbatch of a visit (the CPU device's, measured by
 #: the overhead profile of a 24-layer model: about 0.25 ms per microbatch and visit)
 VISIT_S, CHUNK_S = 5e-4, 1.5e-4
+#: the smallest budget in bytes (an int ``memory_budget``) accepted: below it, an int is a
+#: fraction written as an int (``memory_budget=1`` meaning "all of it" is one byte)
+MIN_BUDGET_BYTES = 1 << 20
 #: host-to-device bandwidth assumed before an upload was timed (PCIe 4.0 x16, pinned)
 DEFAULT_UPLOAD_BYTES_PER_S = 25e9
 
@@ -53,13 +56,21 @@ def parse(layers_per_stage: Any, memory_budget: Any, num_layers: int,
     Raises:
         ValueError: ``layers_per_stage`` is not ``None``, ``"auto"``, an int >= 1 or a sequence
             of positive ints summing to the number of layers; ``memory_budget`` is not a float
-            in ``(0, 1]`` or an int >= 1 (bytes).
+            in ``(0, 1]`` or an int >= :data:`MIN_BUDGET_BYTES` (bytes: ``memory_budget=1``
+            is one byte, refused with a message saying that fractions are floats).
     """
+    if isinstance(memory_budget, int) and not isinstance(memory_budget, bool) \
+            and 1 <= memory_budget < MIN_BUDGET_BYTES:
+        raise ValueError(f"RoundPipe: memory_budget={memory_budget!r} is an int, so bytes: "
+                         f"{memory_budget} bytes, less than the {MIN_BUDGET_BYTES} (1 MiB) any "
+                         "device needs; a fraction of the device's memory is written as a float "
+                         "(memory_budget=1.0 for all of it, 0.6 for 60%)")
     if isinstance(memory_budget, bool) or not (
             (isinstance(memory_budget, float) and 0.0 < memory_budget <= 1.0)
             or (isinstance(memory_budget, int) and memory_budget >= 1)):
         raise ValueError("RoundPipe: memory_budget must be a fraction of the device's memory "
-                         f"(a float in (0, 1]) or bytes (an int >= 1), got {memory_budget!r}")
+                         f"(a float in (0, 1]) or bytes (an int >= {MIN_BUDGET_BYTES}), got "
+                         f"{memory_budget!r}")
     if layers_per_stage is None:
         layers_per_stage = "auto" if device_type == "cuda" else 1
     if layers_per_stage == "auto":

@@ -92,9 +92,11 @@ class RoundPipe(nn.Module):
             :meth:`plan` says which plan is in effect and why.
         memory_budget: with ``"auto"``, the device memory the pipeline may use on each device:
             a fraction of the smallest device's memory (default 0.6; CUDA: its total memory
-            times the process's memory fraction; the CPU device: the machine's RAM) or bytes
-            (an int). Each stage holds at most half of it (weights, gradient sums, one
-            microbatch's activations), so the next stage uploads while one computes.
+            times the process's memory fraction; the CPU device: the machine's RAM; a float,
+            ``1.0`` for all of it) or bytes (an int, at least 1 MiB: ``memory_budget=1`` is
+            refused, not taken as one byte). Each stage holds at most half of it (weights,
+            gradient sums, one microbatch's activations), so the next stage uploads while one
+            computes.
         num_microbatch: default number of microbatches per call (default: number of devices + 1,
             at most the batch size). Results do not depend on the number of devices, for a
             given number of microbatches.
@@ -144,8 +146,9 @@ class RoundPipe(nn.Module):
         ValueError: a parameter or buffer is not on the CPU, ``optim_dtype`` is not a floating
             dtype, ``layers_per_stage`` is not ``"auto"``, an int >= 1 or layer counts summing
             to the number of layers (or puts a layer the model needs out of the last stage
-            there), ``memory_budget`` is not a fraction or bytes, a layer alone needs more
-            than half of the budget (with ``"auto"``, at the call that plans),
+            there), ``memory_budget`` is not a fraction or bytes (an int under 1 MiB), a
+            layer alone needs more than half of the budget (with ``"auto"``, at the call that
+            plans),
             ``num_microbatch`` is < 1, ``device`` is an empty
             list, names an unsupported device type or mixes CPU and CUDA, ``pin_memory`` is
             not one of the modes, ``max_resident_bytes`` < 0, ``layers`` is empty or holds a

@@ -99,16 +99,20 @@ def mask_kind(inputs: dict) -> Optional[str]:
 
 
 class Prefix(nn.Module):
-    """Layer 0: token embeddings, position ids, rotary cos/sin (once per microbatch), shifted
-    labels. Takes the keyword arguments of HF's ``ForCausalLM.forward`` that RoundPipe supports."""
+    """Layer 0: token embeddings (and the dropout the model's forward applies to them, if any:
+    ``embed_dropout``, e.g. Phi's and Starcoder2's), position ids, rotary cos/sin (once per
+    microbatch), shifted labels. Takes the keyword arguments of HF's ``ForCausalLM.forward``
+    that RoundPipe supports."""
 
     def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module,
-                 rope_types: Optional[list] = None) -> None:
+                 rope_types: Optional[list] = None,
+                 embed_dropout: Optional[Callable] = None) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
         # the layer types the rotary embedding is computed for (None: one for every layer)
         self.rope_types = None if rope_types is None else sorted(set(rope_types))
+        self.embed_dropout = embed_dropout
 
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -120,6 +124,8 @@ class Prefix(nn.Module):
             raise ValueError("RoundPipe (Hugging Face model): give exactly one of input_ids "
                              "and inputs_embeds")
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.embed_dropout is not None:  # as the model's forward: given embeddings too
+            hidden = self.embed_dropout(hidden)
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         rope = {}

@@ -46,7 +46,8 @@ class HFRoundPipe(RoundPipe):
         parts = Parts(hf)
         routing, routers = _find_moe(hf, parts)
         moe_layers = sorted(routers)
-        layers = [Prefix(parts.embed_tokens, parts.rotary_emb, parts.rope_types)]
+        layers = [Prefix(parts.embed_tokens, parts.rotary_emb, parts.rope_types,
+                         parts.embed_dropout)]
         layers += [Decoder(layer, parts.config, fn, routing if i in moe_layers else None, i,
                            None if parts.rope_types is None else parts.rope_types[i])
                    for i, (layer, fn) in enumerate(zip(parts.layers, parts.mask_fns))]

@@ -20,7 +20,9 @@ plugs RoundPipe in as DeepSpeed plugs into Trainer:
 - evaluation computes ``eval_loss`` through the pipeline with the chunked loss (no
   ``batch x seq x vocab`` logits); checkpoints go through :func:`roundpipe.save_checkpoint`
   (full-precision weights, optimizer, grad scaler; scheduler, RNG and trainer state as
-  Trainer writes them), ``save_model`` through ``save_pretrained``.
+  Trainer writes them) and hold what plain Trainer's hold too (the model weights at the
+  optimizer copies' precision, ``optimizer.pt`` in torch's format), ``save_model`` goes through
+  ``save_pretrained``.
 
 This module imports transformers (its ``Trainer``): ``import roundpipe`` does not import it.
 """
@@ -47,6 +49,9 @@ from .loss import TokenStats, count_items, token_stats
 STEP_MODES = ("sync", "exact", "async")
 STATE_DIR = "roundpipe_state"  # inside a Trainer checkpoint folder: roundpipe.save_checkpoint's
 _SCHEDULER_NAME = "scheduler.pt"
+_OPTIMIZER_NAME = "optimizer.pt"  # plain Trainer's (see _save_optimizer_and_scheduler)
+_SHARDED_NOTE = ("RoundPipe: the optimizer state of this checkpoint is sharded over the ranks, "
+                 "in roundpipe_state/ only; resume it with RoundPipeTrainer (any world size)")
 _INPUT_KEYS = trainer_loss.MODEL_KEYS + ("labels",)
 # what a padding-free collator (TRL's) adds for varlen kernels: the sequence boundaries that
 # position_ids already give (transformers' mask functions, roundpipe.hf.packed read them there)
@@ -526,15 +531,40 @@ class RoundPipeTrainerMixin:
 
     # --- checkpoints ----------------------------------------------------------------------------
 
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """Trainer's checkpoint, its model weights (:meth:`_save`) at the optimizer copies'
+        precision: what plain Trainer's checkpoint of a mixed-precision run holds."""
+        self._rp_checkpointing = True
+        try:
+            super()._save_checkpoint(*args, **kwargs)
+        finally:
+            self._rp_checkpointing = False
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The weights at full precision, the optimizer and the grad scaler through
         :func:`roundpipe.save_checkpoint` (every rank writes what it owns), the scheduler as
-        Trainer writes it."""
+        Trainer writes it, and ``optimizer.pt`` as plain Trainer writes it (the optimizer's
+        state dict in torch's format, float32 state: a ``torch.optim`` optimizer of the same
+        class loads it), so that plain ``transformers.Trainer`` resumes the checkpoint with the
+        optimizer state. With the optimizer copies sharded over ranks, each rank holds only its
+        rows: ``optimizer.pt`` is then a state dict of empty param groups, which
+        ``torch.optim.Optimizer.load_state_dict`` (plain Trainer's resume) refuses rather than
+        starting Adam's moments afresh without a word."""
         scaler = None if self._rp_scaler is None else self._rp_scaler.state_dict()
-        save_checkpoint(os.path.join(output_dir, STATE_DIR), self.model, self.optimizer.real,
+        real = self.optimizer.real
+        save_checkpoint(os.path.join(output_dir, STATE_DIR), self.model, real,
                         extra={"grad_scaler": scaler})
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+        if not self.args.should_save:
+            return
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+        if any(r is not None for r in self.model.optim_shard_rows().values()):
+            state = {"state": {}, "param_groups": [
+                {"params": [], "roundpipe": _SHARDED_NOTE} for _ in real.param_groups]}
+        elif hasattr(real, "state_as_float32"):  # roundpipe.optim: compact state as float32
+            state = real.state_dict(state_dtype=torch.float32)
+        else:
+            state = real.state_dict()
+        torch.save(state, os.path.join(output_dir, _OPTIMIZER_NAME))
 
     def _save_scaler(self, output_dir: str) -> None:
         """Nothing: the grad scaler's state is in the RoundPipe checkpoint."""
@@ -613,11 +643,17 @@ class RoundPipeTrainerMixin:
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
         """``save_model``: ``save_pretrained`` of the wrapped model (an HF checkpoint, or the PEFT
-        adapter; every rank takes part, rank 0 writes), the tokenizer and the arguments."""
+        adapter; every rank takes part, rank 0 writes; in the model copy's dtype, in a
+        checkpoint at the optimizer copies' when wider), the tokenizer and the arguments."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
-        self.model.save_pretrained(output_dir)
+        dtype = None
+        if getattr(self, "_rp_checkpointing", False):  # a checkpoint: at full precision
+            have = self.model.hf_model.dtype.itemsize
+            dtype = next((p.dtype for p in self.model.optim_parameters()
+                          if p.is_floating_point() and p.dtype.itemsize > have), None)
+        self.model.save_pretrained(output_dir, dtype=dtype)
         if not self.args.should_save:
             return
         if self.processing_class is not None:

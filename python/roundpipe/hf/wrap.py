@@ -30,7 +30,8 @@ def wrap_model_to_roundpipe(model: nn.Module, optim_dtype: Optional[torch.dtype]
     attributes (``config``, ``generation_config``, ...) are reachable through the wrapper.
     HF's gradient checkpointing is switched off (RoundPipe recomputes already); the decoder
     layers run with ``use_cache=False``. Tied input/output embeddings stay one parameter with
-    one optimizer copy.
+    one optimizer copy. A dropout the model's forward applies to the embeddings (Phi's
+    ``embd_pdrop``, Starcoder2's ``embedding_dropout``) is applied by the prefix, as there.
 
     Any other ``nn.Module`` is wrapped as ``RoundPipe(model, optim_dtype, **roundpipe_kwargs)``.
 
@@ -48,9 +49,12 @@ def wrap_model_to_roundpipe(model: nn.Module, optim_dtype: Optional[torch.dtype]
             ``position_embeddings``, whose rotary embedding takes arguments other than
             ``layer_type`` (which is supported: one rotary embedding per layer type), whose
             ``lm_head`` is not an ``nn.Linear``, or whose MoE router is not of the supported
-            kind; a model whose layers, run as RoundPipe runs them, do not reproduce its own
-            logits on a small test input (checked once here, see
-            :func:`roundpipe.hf.parts.check_logits`).
+            kind; a config giving decoder layers their own rotary base
+            (``config.layer_rope_theta``); a model whose layers, run as RoundPipe runs them,
+            do not reproduce its own logits on a small test input, in eval mode and, where
+            it has dropout, in training mode under a fixed seed (naming the config's dropout
+            values: a dropout its forward applies outside the decoder layers that RoundPipe
+            does not know; checked once here, see :func:`roundpipe.hf.parts.check_logits`).
         ValueError: ``loss_chunk_size`` < 1; with the MoE auxiliary loss on, a MoE layer in
             the last stage (choose ``layers_per_stage`` so that the postfix's stage holds no
             MoE layer); everything :class:`roundpipe.RoundPipe` raises.
