@@ -11,7 +11,8 @@ from torch import nn
 from ..quant import refuse_foreign_quantization
 from ..wrapper import RoundPipe
 from . import moe, save
-from .layers import Decoder, Postfix, Prefix, RoutingState, mask_kind
+from .attention import describe, use_segment_attention
+from .layers import Decoder, Postfix, Prefix, RoutingState
 from .loss import TokenStats, count_items
 from .packed import packed_starts, split_packed
 from .parts import Parts, check_logits, disable_gradient_checkpointing
@@ -44,6 +45,7 @@ class HFRoundPipe(RoundPipe):
         peft = _peft_base(model)
         hf = model if peft is None else peft.get_base_model()
         parts = Parts(hf)
+        use_segment_attention(hf, parts.config, bool(parts.mask_kwargs))
         routing, routers = _find_moe(hf, parts)
         moe_layers = sorted(routers)
         layers = [Prefix(parts.embed_tokens, parts.rotary_emb, parts.rope_types)]
@@ -66,9 +68,9 @@ class HFRoundPipe(RoundPipe):
 
     def _microbatches(self, args, kwargs, label, num_microbatch) -> list:
         """The call's microbatches (:meth:`RoundPipe._microbatches`, ``split_fn``), each told
-        its :func:`~roundpipe.hf.layers.mask_kind` here, on the host, so that no decoder layer
-        has to ask the device."""
-        return [(a, {**kw, "mask_kind": mask_kind(kw)}, lab)
+        its :class:`~roundpipe.hf.attention.Segments` here, on the host, so that no decoder
+        layer has to ask the device."""
+        return [(a, {**kw, "segments": describe(kw)}, lab)
                 for a, kw, lab in super()._microbatches(args, kwargs, label, num_microbatch)]
 
     def _last_stage_fence(self, layers: list[nn.Module]) -> tuple[int, str]:

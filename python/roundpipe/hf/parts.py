@@ -27,6 +27,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .attention import describe
+
 _PATHS = {
     "token embeddings": ("model.embed_tokens", "model.embed_in", "transformer.wte", "embed_tokens"),
     "decoder layers": ("model.layers", "model.decoder.layers", "transformer.h", "layers"),
@@ -173,12 +175,13 @@ CHECK_LAYERS = 2   # decoder layers it runs through
 def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
     """Checks once, at wrap time, that the pipeline layers reproduce the model: the logits of
     ``[prefix, the first CHECK_LAYERS decoder layers, postfix]`` on a fixed input of
-    CHECK_TOKENS tokens against ``model``'s own forward with only those decoder layers, and
-    that the earlier positions' logits do not change with the last token (the causal mask).
-    A model the probe accepts but that computes something else (a mask built otherwise, a
-    scaling in its forward) is refused before it can train. Cost: two forwards of two layers
-    on 6 tokens (no gradient, eval mode; the modules' training flags are restored; no random
-    numbers drawn).
+    CHECK_TOKENS tokens, and on the same tokens packed as two sequences (``position_ids``
+    restarting halfway: each layer's mask or segments as the wrapper builds them), against
+    ``model``'s own forward with only those decoder layers, and that the earlier positions'
+    logits do not change with the last token (the causal mask). A model the probe accepts but
+    that computes something else (a mask built otherwise, a scaling in its forward) is refused
+    before it can train. Cost: five forwards of two layers on 6 tokens (no gradient, eval
+    mode; the modules' training flags are restored; no random numbers drawn).
 
     Raises:
         TypeError: the logits differ (by more than 1e-4 of their largest magnitude for a
@@ -191,12 +194,14 @@ def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
     ids = ((torch.arange(CHECK_TOKENS) * 7919 + 11) % vocab).unsqueeze(0)
     changed = ids.clone()
     changed[0, -1] = (ids[0, -1] + 1) % vocab
+    packed = {"input_ids": ids,
+              "position_ids": (torch.arange(CHECK_TOKENS) % (CHECK_TOKENS // 2)).unsqueeze(0)}
     training = {m: m.training for m in model.modules()}
     owner, attr = parts.layers_owner, parts.layers_attr
     full = getattr(owner, attr)
 
-    def ours(x: torch.Tensor) -> torch.Tensor:
-        state = layers[0](input_ids=x)
+    def ours(**inputs) -> torch.Tensor:
+        state = layers[0](**inputs, segments=describe(inputs))
         for d in layers[1:1 + k]:
             routing, d.routing = d.routing, None  # no routing statistics for a test input
             try:
@@ -205,20 +210,24 @@ def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
                 d.routing = routing
         return layers[-1]({**state, "labels": None}).float()
 
+    def theirs() -> tuple:
+        return tuple(model(**inputs, use_cache=False).logits.float()
+                     for inputs in ({"input_ids": ids}, packed))
+
     model.eval()
     try:
         with torch.no_grad():
             try:
                 setattr(owner, attr, nn.ModuleList(list(full)[:k]))
                 try:
-                    theirs = model(input_ids=ids, use_cache=False).logits.float()
+                    expected = theirs()
                 finally:
                     setattr(owner, attr, full)
             except Exception:  # a forward that needs all its layers: the whole model
                 k = len(parts.layers)
-                theirs = model(input_ids=ids, use_cache=False).logits.float()
+                expected = theirs()
             try:
-                a, b = ours(ids), ours(changed)
+                a, b, c = ours(input_ids=ids), ours(input_ids=changed), ours(**packed)
             except Exception as e:
                 raise TypeError(f"wrap_model_to_roundpipe: {name}'s layers fail when called "
                                 f"as RoundPipe calls them ({type(e).__name__}: {e}); this model "
@@ -227,8 +236,9 @@ def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
         for m, flag in training.items():
             m.training = flag
     tol = (1e-4 if parts.lm_head.weight.dtype == torch.float32 else 3e-2) * \
-        max(float(theirs.abs().max()), 1e-6)
-    err = float((a - theirs).abs().max()) if a.shape == theirs.shape else math.inf
+        max(float(expected[0].abs().max()), 1e-6)
+    err = max(float((x - y).abs().max()) if x.shape == y.shape else math.inf
+              for x, y in zip((a, c), expected))
     leak = float((b[:, :-1] - a[:, :-1]).abs().max())
     if not (err <= tol and leak <= tol):
         why = (" (earlier positions depend on the last token: no causal mask)" if not leak <= tol
