@@ -49,6 +49,7 @@ linear) keeps it: :func:`use_segment_attention` replaces ``"sdpa"`` only.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -258,8 +259,13 @@ def _piece(piece: Piece, q, k, v, valid, window, dropout, scale) -> torch.Tensor
 
 def _masked_segment(q, k, v, valid, a, b, window, dropout, scale) -> torch.Tensor:
     """Queries ``[a, b)`` of a segment ``[a, b)``, in chunks (see the module docstring)."""
-    span = b - a if window is None else min(b - a, window)
-    step = max(16, CHUNK_MASK_ELEMENTS // max(span, 1))
+    if window is None:  # a chunk of qc queries reaches at most the segment's b - a keys
+        step = CHUNK_MASK_ELEMENTS // (b - a)
+    else:  # ... at most qc + window - 1 keys: qc * (qc + window - 1) <= CHUNK_MASK_ELEMENTS,
+        # and qc <= window, so that at least half of the chunk's mask is inside the window
+        step = (math.isqrt((window - 1) ** 2 + 4 * CHUNK_MASK_ELEMENTS) - (window - 1)) // 2
+        step = min(step, window)
+    step = max(16, step)
     rep = q.shape[1] // k.shape[1]
     record = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     outs = []
