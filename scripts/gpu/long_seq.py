@@ -1,8 +1,9 @@
 """The longest sequence that trains under a 24 GB device-memory cap (issue 46), beside sizing's
 prediction and upstream RoundPipe's published RTX 4090 figures (Qwen3-1.7B 73K, Llama 3.1 8B
 49K tokens): a Qwen3-1.7B and a Llama-3.1-8B geometry (random weights, bf16, fp32 optimizer
-copies, SGD), one sequence per call, plain (one causal row) and packed (one padding-free row
-of 4,096-token documents, ``position_ids`` restarting, as TRL's ``padding_free``). For each
+copies, SGD, one layer per stage as sizing assumes), one sequence per call, plain (one causal
+row) and packed (one padding-free row of 4,096-token documents, ``position_ids`` restarting,
+as TRL's ``padding_free``). For each
 model and shape it climbs the sequence lengths of LADDER_<name> (tokens, comma separated;
 defaults below) until a call fails with CUDA out of memory, and times CALLS calls (the last
 timed: tokens/s) at each length that fits. Prints one line per try and writes long_seq.json
@@ -31,8 +32,8 @@ CAP_GB = float(os.environ.get("CAP_GB", "24"))
 CALLS = int(os.environ.get("CALLS", "2"))
 DOC = 64 if SMOKE else 4096
 MODELS = {  # sizing's built-in geometry, the default ladder, upstream's published figure
-    "qwen3-1.7b": ("64K,73K,96K,128K", "73K"),
-    "llama3-8b": ("40K,49K,57K,64K", "49K"),
+    "qwen3-1.7b": ("73K,96K,128K", "73K"),
+    "llama3-8b": ("49K,57K,64K", "49K"),
 }
 
 
@@ -79,8 +80,10 @@ def main() -> None:
                                          "shapes": {}}
         for shape in ("plain", "packed"):
             tries = rows["shapes"][shape] = []
+            # one layer per stage: what sizing's prediction assumes, and no plan measured
+            # under the cap
             model = roundpipe.wrap_model_to_roundpipe(host, torch.float32, device=DEVICE,
-                                                      num_microbatch=1)
+                                                      num_microbatch=1, layers_per_stage=1)
             opt = rpo.SGD(model.optim_parameters(), lr=1e-6)
             for seq in ladder(name, default):
                 batch = inputs(cfg, seq, shape)

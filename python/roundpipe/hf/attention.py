@@ -87,7 +87,7 @@ class Segments:
     kind: Optional[str]
     rows: Optional[tuple] = None
     length: int = 0
-    _plans: dict = field(default_factory=dict, repr=False)
+    _plans: dict = field(default_factory=dict, init=False, repr=False)
 
     def mask(self, window: Optional[int], attention_mask: Optional[torch.Tensor]):
         """What a layer with sliding window ``window`` (None: full attention) passes as its
