@@ -36,7 +36,8 @@ Keys (all floats, accumulated since construction or the last reset):
 - ``host_stage_input_bytes``: the most bytes of stage inputs (what a stage's forward visit
   hands to the next stage, kept on the host for that stage's backward: the activations of
   every stage boundary and, for a Hugging Face model, the state travelling with them) held at
-  once by the last call (not reset; on the CPU device counted as if copied to the host);
+  once by the last pass (a ``forward`` or ``forward_backward`` call, or one step of
+  ``generate``; not reset; on the CPU device counted as if copied to the host);
 - ``stages``: the stages of the plan in effect (not reset; ``RoundPipe.plan()`` says which
   and why); ``plan_revisions``: how many times ``layers_per_stage="auto"`` changed the plan.
 """
