@@ -43,7 +43,9 @@ this name too).
 
 On CUDA the same calls run sdpa's flash or memory-efficient kernels per segment. A model loaded
 with ``attn_implementation="flash_attention_2"`` (flash-attn's variable-length kernels, also
-linear) keeps it: :func:`use_segment_attention` replaces ``"sdpa"`` only.
+linear) keeps it: :func:`use_segment_attention` replaces ``"sdpa"`` only. FlexAttention's block
+masks are not used: torch 2.13 has no FlexAttention backward on the CPU, and on CUDA it is fast
+only compiled.
 """
 
 from __future__ import annotations
