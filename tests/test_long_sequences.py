@@ -185,6 +185,31 @@ def test_other_implementations_are_kept_and_sdpa_can_be_chosen_back():
     torch.testing.assert_close(back, want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_model_whose_attention_reads_its_mask_keeps_sdpa_with_a_warning(monkeypatch):
+    """An attention module that reads its mask as a tensor (here: its dtype) fails under
+    segments at the wrap-time check: the model goes back to transformers' "sdpa" with a
+    warning, and trains as transformers does."""
+    from transformers.models.llama import modeling_llama
+
+    forward = modeling_llama.LlamaAttention.forward
+
+    def reads_its_mask(self, hidden_states, position_embeddings, attention_mask, *args, **kw):
+        if attention_mask is not None:
+            assert attention_mask.dtype == torch.bool
+        return forward(self, hidden_states, position_embeddings, attention_mask, *args, **kw)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", reads_its_mask)
+    batch = batch_of("right padded")
+    model = causal_lm("llama")
+    with torch.no_grad():
+        want = model(**batch, use_cache=False).loss
+    with pytest.warns(UserWarning, match="keeps transformers' 'sdpa' attention"):
+        w = roundpipe.wrap_model_to_roundpipe(model, torch.float32, device="cpu")
+    assert w.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        torch.testing.assert_close(w(**batch).loss, want, rtol=1e-6, atol=1e-6)
+
+
 # --- memory linear in the sequence ------------------------------------------------------------
 
 DOC = 512   # tokens per document (packed) or per row's valid run (padded)

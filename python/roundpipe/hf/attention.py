@@ -52,8 +52,9 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -315,14 +316,32 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
-def use_segment_attention(model: torch.nn.Module, config: Any, own_mask: bool) -> bool:
+def use_segment_attention(model: torch.nn.Module, config: Any, own_mask: bool,
+                          check: Callable[[], None]) -> bool:
     """Switches a transformers model whose attention implementation is ``"sdpa"`` (the default)
     to :data:`NAME` (``model.set_attn_implementation``), unless its forward builds its own mask
-    (``own_mask``, e.g. Doge's) or its config is not causal; returns whether it did. Other
-    implementations (``"eager"``, ``"flash_attention_2"``, ...) are the user's choice and are
-    kept. ``model.set_attn_implementation("sdpa")`` switches back (transformers' dense masks)."""
+    (``own_mask``, e.g. Doge's) or its config is not causal, then runs ``check`` (the wrap-time
+    check, :func:`roundpipe.hf.parts.check_logits`, which raises ``TypeError``). Should the
+    check fail under :data:`NAME` (an attention that reads its mask as a tensor), the model
+    goes back to ``"sdpa"`` with a warning and ``check`` runs again, its error propagating.
+    Returns whether the model runs :data:`NAME`. Other implementations (``"eager"``,
+    ``"flash_attention_2"``, ...) are the user's choice and are kept;
+    ``model.set_attn_implementation("sdpa")`` switches back (transformers' dense masks)."""
     if own_mask or config._attn_implementation != "sdpa" or not getattr(config, "is_causal", True):
+        check()
         return False
     register()
     model.set_attn_implementation(NAME)
-    return config._attn_implementation == NAME
+    if config._attn_implementation != NAME:  # a model that cannot switch
+        check()
+        return False
+    try:
+        check()
+        return True
+    except TypeError as e:
+        model.set_attn_implementation("sdpa")
+        check()
+        warnings.warn(f"wrap_model_to_roundpipe: {type(model).__name__} keeps transformers' "
+                      f"'sdpa' attention ({e}); padded and packed batches take (S, S) masks, as "
+                      "in transformers", stacklevel=3)
+        return False

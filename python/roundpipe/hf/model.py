@@ -45,7 +45,6 @@ class HFRoundPipe(RoundPipe):
         peft = _peft_base(model)
         hf = model if peft is None else peft.get_base_model()
         parts = Parts(hf)
-        use_segment_attention(hf, parts.config, bool(parts.mask_kwargs))
         routing, routers = _find_moe(hf, parts)
         moe_layers = sorted(routers)
         layers = [Prefix(parts.embed_tokens, parts.rotary_emb, parts.rope_types)]
@@ -53,7 +52,8 @@ class HFRoundPipe(RoundPipe):
                            None if parts.rope_types is None else parts.rope_types[i])
                    for i, (layer, fn) in enumerate(zip(parts.layers, parts.mask_fns))]
         layers.append(Postfix(parts.norm, parts.lm_head, loss_chunk_size))
-        check_logits(hf, parts, layers)
+        use_segment_attention(hf, parts.config, bool(parts.mask_kwargs),
+                              lambda: check_logits(hf, parts, layers))
         if roundpipe_kwargs.get("split_fn") is None:  # packed rows cut at sequence starts
             roundpipe_kwargs["split_fn"] = split_packed
         super().__init__(model, optim_dtype, layers=layers, **roundpipe_kwargs)
