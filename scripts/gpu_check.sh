@@ -21,10 +21,12 @@
 #           profile   one exact-mode call of the 1.82B under torch.profiler and cProfile, and
 #                     the CUDA memory history of two calls
 #   plans   plans     the automatic stage plan against fixed ones at 4k and 64k tokens
+#   long    longseq   the longest sequence that trains under a 24 GB cap, 1.7B and 8B
+#                     geometries, plain and packed, beside sizing's prediction (issue 46)
 #
 # The order: a session lent a device runs call 1 first (correctness and the memory bound), then
-# call 2 (the speed figures at 8k tokens per step) if its time allows; the next one calls 3 and
-# plans. Each call's command (timeout_s 600):
+# call 2 (the speed figures at 8k tokens per step) if its time allows; the next one calls 3,
+# plans and long. Each call's command (timeout_s 600):
 #
 #   bash scripts/gpu_check.sh 1                 # or 2, 3, plans; or section names: capped qlora
 #   bash scripts/gpu_check.sh --list            # the calls, their sections and time limits
@@ -37,13 +39,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # section -> time limit (s); call -> sections
 declare -A LIMIT=([tests]=200 [capped]=180 [bench8k]=240 [generate]=100 [qlora]=100
-                  [bench64k]=360 [profile]=120 [plans]=480)
+                  [bench64k]=360 [profile]=120 [plans]=480 [longseq]=480)
 declare -A CALL=([1]="tests capped" [2]="bench8k generate qlora" [3]="bench64k profile"
-                 [plans]="plans")
+                 [plans]="plans" [long]="longseq")
 BUILD_S=40  # the build (16 s measured) and the environment's lines, with room
 
 if [ "${1:-}" = --list ]; then
-  for c in 1 2 3 plans; do
+  for c in 1 2 3 plans long; do
     total=$BUILD_S
     line=""
     for s in ${CALL[$c]}; do total=$((total + LIMIT[$s])); line+=" $s=${LIMIT[$s]}"; done
@@ -61,10 +63,11 @@ work=$(mktemp -d)
 mkdir -p "$out"
 sections=()
 for arg in "${@:-1}"; do
-  if [ "$arg" = all ]; then sections+=(tests capped bench8k generate qlora bench64k profile plans)
+  if [ "$arg" = all ]; then
+    sections+=(tests capped bench8k generate qlora bench64k profile plans longseq)
   elif [ -n "${CALL[$arg]+x}" ]; then sections+=(${CALL[$arg]})
   elif [ -n "${LIMIT[$arg]+x}" ]; then sections+=("$arg")
-  else echo "unknown call or section $arg (calls: 1 2 3 plans all; sections: ${!LIMIT[*]})"
+  else echo "unknown call or section $arg (calls: 1 2 3 plans long all; sections: ${!LIMIT[*]})"
        exit 2
   fi
 done
@@ -146,6 +149,7 @@ for s in "${sections[@]}"; do
       run qlora $PY -X faulthandler -m roundpipe.bench qlora --device $device $lora \
         --json "$work/qlora.json" ;;
     plans) run plans $gpu/plans.py ;;
+    longseq) run longseq $gpu/long_seq.py ;;
   esac
 done
 

@@ -1,7 +1,7 @@
 """``scripts/gpu_check.sh`` fits the device tool by construction and runs, here, as a dry run.
 
 The device tool runs one command for at most 600 s and returns at most 8 files; a session has
-15 minutes of device time in all. So each call of the check (1, 2, 3, plans) adds its sections'
+15 minutes of device time in all. So each call of the check (1, 2, 3, plans, long) adds its sections'
 time limits and the build up to at most 540 s, and leaves exactly one file under ``$OUT``. With
 ``SMOKE=1`` every section runs on the CPU at tiny sizes (the scripts, the bench command lines,
 the tarball), so a GPU session spends none of its minutes on a typo.
@@ -19,7 +19,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
-SECTIONS = ["tests", "capped", "bench8k", "generate", "qlora", "bench64k", "profile", "plans"]
+SECTIONS = ["tests", "capped", "bench8k", "generate", "qlora", "bench64k", "profile", "plans",
+            "longseq"]
 
 
 def _calls() -> dict[str, tuple[list[str], int]]:
@@ -37,7 +38,7 @@ def _calls() -> dict[str, tuple[list[str], int]]:
 
 def test_every_call_fits_one_device_command_and_every_section_is_in_one():
     calls = _calls()
-    assert set(calls) == {"1", "2", "3", "plans"}
+    assert set(calls) == {"1", "2", "3", "plans", "long"}
     for name, (sections, total) in calls.items():
         assert total <= 540, (name, total)            # a command may run 600 s
     assert sorted(s for sections, _ in calls.values() for s in sections) == sorted(SECTIONS)

@@ -4,7 +4,7 @@ transformers' mask functions decide what a layer's mask is with a Python ``if`` 
 tensor (``padding_mask.all()``, the packed-sequence check on the positions). On a GPU each such
 read is a host wait for all the work issued so far, and RoundPipe calls the mask function in
 every layer, for every microbatch, forward and recomputation: the host could not run ahead of
-the device by more than a layer. ``roundpipe.hf.layers.mask_kind`` decides it once per
+the device by more than a layer. ``roundpipe.hf.attention.describe`` decides it once per
 microbatch from the host's tensors instead.
 
 What is counted, on the CPU device where CI runs: every read of a tensor's value into Python
@@ -24,6 +24,7 @@ from pipeline_models import causal_lm
 transformers = pytest.importorskip("transformers")
 
 import roundpipe  # noqa: E402
+from roundpipe.hf import attention as hf_attention  # noqa: E402
 from roundpipe.hf import layers as hf_layers  # noqa: E402
 
 READS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")
@@ -132,9 +133,10 @@ def test_training_reads_nothing_in_a_layer_forward_or_recomputation(reads, mask)
     assert torch.isfinite(loss)
 
 
-def test_a_packed_row_still_gets_transformers_own_check(reads):
-    """A padding-free row (positions restarting, no mask) is left to transformers' per-layer
-    check: the counter sees it there, and the logits keep attention within each sequence."""
+def test_a_packed_row_reads_nothing_in_a_layer(reads):
+    """A padding-free row (positions restarting, no mask): its sequences are found once per
+    microbatch on the host (``describe``), not by transformers' per-layer check on the device,
+    and the logits keep attention within each sequence."""
     plain, wrapped = _pair("llama")
     ids = _ids(rows=1, seq=12)
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
@@ -142,7 +144,8 @@ def test_a_packed_row_still_gets_transformers_own_check(reads):
         expected = plain(ids, position_ids=pos, use_cache=False).logits
     reads.reset()
     got = wrapped(ids, position_ids=pos).logits
-    assert reads.count >= reads.layer_calls > 0
+    assert reads.layer_calls > 0
+    assert reads.count == 0
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -173,7 +176,7 @@ def test_generation_reads_nothing_in_a_layer(reads, rows):
     ({"attention_mask": torch.tensor([[0, 1, 1]]), "kv": object()}, "padded"),
     ({"attention_mask": torch.ones(1, 1, 3, 3)}, None),
     ({"position_ids": torch.tensor([[3, 4, 5, 6]])}, "causal"),
-    ({"position_ids": torch.tensor([[0, 1, 0, 1]])}, None),
+    ({"position_ids": torch.tensor([[0, 1, 0, 1]])}, "packed"),
     ({"position_ids": torch.tensor([[0, 1, 0, 1]]), "kv": object()}, "causal"),
     ({"position_ids": torch.tensor([[0, 1, 0, 1]]),
       "attention_mask": torch.ones(1, 4, dtype=torch.long)}, "causal"),
@@ -181,7 +184,7 @@ def test_generation_reads_nothing_in_a_layer(reads, rows):
 def test_mask_kind(inputs, kind):
     """transformers looks for packed sequences only without a mask and a cache, and treats a
     mask of ones as no mask."""
-    assert hf_layers.mask_kind(inputs) == kind
+    assert hf_attention.describe(inputs).kind == kind
 
 
 class HostCopies:

@@ -140,3 +140,36 @@ def test_the_docs_table_is_the_commands():
     """docs/sizing.md's table is what ``python -m roundpipe.sizing --docs-table`` prints."""
     assert sizing.docs_table() in DOCS.read_text(), (
         "docs/sizing.md is stale: paste `python -m roundpipe.sizing --docs-table` into it")
+
+
+@pytest.mark.parametrize("name", ["qwen3-1.7b", "llama3-8b", "qwen3-32b"])
+def test_the_longest_sequence_is_where_the_memory_stops_fitting(name, capsys):
+    """Batch 1, one microbatch: the longest sequence fits the GPU's (host's) bytes and one
+    token more does not; near it, equal steps of the sequence add equal bytes (no ``S x S``
+    term); a model that does not fit at all gives 0. The command prints it for every
+    configuration."""
+    g, machine = sizing.geometry(name), sizing.Machine()
+    for m in (sizing.methods()[0], sizing.methods()[-1]):     # fp32 AdamW, NF4 base + LoRA
+        def at(seq, total):
+            return getattr(sizing.estimate(g, m, machine, sizing.Workload(1, seq, 1, 1)), total)
+
+        gpu, host = sizing.longest_sequence(g, m, machine)
+        for total, budget, got in (("device_total", machine.gpu_bytes, gpu),
+                                   ("host_total", machine.host_bytes, host)):
+            if got == 0:
+                assert at(1, total) > budget
+                continue
+            assert at(got, total) <= budget < at(got + 1, total)
+            steps = [at(got - k * 4096, total) for k in range(3)]
+            assert steps[0] - steps[1] == pytest.approx(steps[1] - steps[2], rel=1e-9)
+    assert sizing.main([name]) == 0
+    out = capsys.readouterr().out
+    assert "Longest sequence" in out
+    for m in sizing.methods():
+        assert m.name in out.split("Longest sequence")[1]
+
+
+def test_the_long_sequence_docs_table_is_the_commands():
+    """docs/sizing.md's long-sequence table is what ``--docs-long-table`` prints."""
+    assert sizing.long_table() in DOCS.read_text(), (
+        "docs/sizing.md is stale: paste `python -m roundpipe.sizing --docs-long-table` into it")

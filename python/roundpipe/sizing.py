@@ -178,8 +178,10 @@ class Geometry:
 
 # built-in geometries: the config.json fields of the published checkpoints, as
 # (title, model_type, vocab_size, hidden_size, intermediate_size, num_hidden_layers,
-#  num_attention_heads, num_key_value_heads, head_dim or None: hidden_size / heads)
+#  num_attention_heads, num_key_value_heads, head_dim or None: hidden_size / heads[, other fields])
 _PUBLISHED = {
+    "qwen3-1.7b": ("Qwen3 1.7B", "qwen3", 151936, 2048, 6144, 28, 16, 8, 128,
+                   {"tie_word_embeddings": True}),
     "llama2-7b": ("Llama 2 7B", "llama", 32000, 4096, 11008, 32, 32, 32, None),
     "mistral-7b": ("Mistral 7B v0.1", "mistral", 32000, 4096, 14336, 32, 32, 8, None),
     "llama3-8b": ("Llama 3.1 8B", "llama", 128256, 4096, 14336, 32, 32, 8, None),
@@ -194,7 +196,8 @@ _FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_
            "num_attention_heads", "num_key_value_heads", "head_dim")
 
 #: built-in name -> (title, its config.json fields)
-BUILTIN = {key: (title, {k: v for k, v in zip(_FIELDS, values) if v is not None})
+BUILTIN = {key: (title, {**{k: v for k, v in zip(_FIELDS, values) if v is not None},
+                         **(values[len(_FIELDS)] if len(values) > len(_FIELDS) else {})})
            for key, (title, *values) in _PUBLISHED.items()}
 
 
@@ -451,6 +454,78 @@ def estimate(g: Geometry, m: Method, machine: Machine = Machine(),
     return e
 
 
+def longest_sequence(g: Geometry, m: Method, machine: Machine = Machine(),
+                     w: Workload = Workload(), limit: int = 1 << 24) -> tuple[int, int]:
+    """The longest sequence, in tokens, that one call of one sequence (batch 1, one
+    microbatch, one call per optimizer step; ``w``'s LoRA rank, loss chunk and layers per
+    stage) can train with ``m``: ``(on the GPU, in host RAM)``, each the largest ``seq`` whose
+    :func:`estimate` fits ``machine.gpu_bytes`` / ``machine.host_bytes``; 0 where not even one
+    token fits (the model alone is too large), ``limit`` where ``limit`` tokens still fit.
+
+    Every term that grows with the sequence is linear in it (attention within segments,
+    :mod:`roundpipe.hf.attention`: no ``S x S`` mask; the chunked loss; the hidden states of
+    every layer boundary on the host), so each bound is where a straight line crosses the
+    memory: found by bisection on :func:`estimate` itself."""
+    def fits(seq: int, gpu: bool) -> bool:
+        e = estimate(g, m, machine, Workload(1, seq, 1, 1, w.lora_rank, w.loss_chunk,
+                                             w.layers_per_stage))
+        return e.fits_gpu if gpu else e.fits_host
+
+    out = []
+    for gpu in (True, False):
+        lo, hi = 0, limit  # fits(lo) (0: vacuously), the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid, gpu) else (lo, mid - 1)
+        out.append(lo)
+    return out[0], out[1]
+
+
+def _tokens(n: int, limit: int = 1 << 24) -> str:
+    return "does not fit" if n == 0 else (f">= {n:,}" if n >= limit else f"{n:,}")
+
+
+def longest_report(g: Geometry, machine: Machine = Machine(), w: Workload = Workload()) -> str:
+    """The block ``python -m roundpipe.sizing`` prints after its table: per configuration, the
+    longest sequence (:func:`longest_sequence`) on the GPU and in host RAM."""
+    lines = [f"Longest sequence (tokens; one sequence per call, one microbatch, one call per "
+             f"step) on {_gib(machine.gpu_bytes)} GiB GPU / {_gib(machine.host_bytes)} GiB host:",
+             f"{'configuration':<26} {'GPU':>14} {'host RAM':>14}"]
+    for m in methods():
+        gpu, host = longest_sequence(g, m, machine, w)
+        lines.append(f"{m.name:<26} {_tokens(gpu):>14} {_tokens(host):>14}")
+    return "\n".join(lines)
+
+
+#: docs/sizing.md's long-sequence table: models, GPU sizes, host sizes (GiB), and upstream
+#: RoundPipe's published longest sequences on an RTX 4090 (its README)
+LONG_MODELS = {"qwen3-1.7b": "73K", "llama3-8b": "49K", "qwen3-32b": "28K"}
+LONG_GPUS = (24, 80)
+LONG_HOSTS = (128, 256)
+
+
+def long_table(w: Workload = Workload(), machine: Machine = Machine()) -> str:
+    """The markdown table of docs/sizing.md's long sequences: for :data:`LONG_MODELS` and each
+    configuration, the longest sequence on each of :data:`LONG_GPUS` and in each of
+    :data:`LONG_HOSTS` GiB of host RAM, the other figures at their defaults."""
+    from dataclasses import replace
+
+    rows = ["| model | configuration | " + " | ".join(f"{x} GiB GPU" for x in LONG_GPUS) + " | "
+            + " | ".join(f"{x} GiB RAM" for x in LONG_HOSTS) + " | upstream, RTX 4090 |",
+            "|---|---|" + "---:|" * (len(LONG_GPUS) + len(LONG_HOSTS)) + "---:|"]
+    for model, upstream in LONG_MODELS.items():
+        g = geometry(model)
+        for k, m in enumerate(methods()):
+            gpus = [longest_sequence(g, m, replace(machine, gpu_bytes=x * GIB), w)[0]
+                    for x in LONG_GPUS]
+            hosts = [longest_sequence(g, m, replace(machine, host_bytes=x * GIB), w)[1]
+                     for x in LONG_HOSTS]
+            rows.append(f"| {g.name.split(' (')[0]} | {m.name} | "
+                        + " | ".join(_tokens(n) for n in gpus + hosts)
+                        + f" | {upstream if k == 0 else ''} |")
+    return "\n".join(rows)
+
+
 def size(model: str, machine: Machine = Machine(), w: Workload = Workload()) -> tuple:
     """``(geometry, [estimate of each method])`` for ``model`` (see :func:`geometry`)."""
     g = geometry(model)
@@ -536,6 +611,9 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the built-in geometries")
     ap.add_argument("--docs-table", action="store_true",
                     help="print docs/sizing.md's table (its models, 24 GB, 64/128/256 GB)")
+    ap.add_argument("--docs-long-table", action="store_true",
+                    help="print docs/sizing.md's long-sequence table (1.7B, 8B, 32B on 24 and "
+                         "80 GB GPUs, 128 and 256 GB hosts)")
     ap.add_argument("--gpu", type=parse_bytes, default=f"{m.gpu_bytes / GIB:g}GB", metavar="SIZE",
                     help="GPU memory (24GB: an RTX 3090/4090)")
     ap.add_argument("--host", type=parse_bytes, default=f"{m.host_bytes / GIB:g}GB", metavar="SIZE",
@@ -580,9 +658,15 @@ def main(argv: Optional[list] = None) -> int:
         if args.docs_table:
             print(docs_table(w, machine))
             return 0
+        if args.docs_long_table:
+            print(long_table(w, machine))
+            return 0
         if args.model is None:
             ap.error("give a model (a built-in name, see --list, or a config.json)")
-        print(report(*size(args.model, machine, w)))
+        g, estimates = size(args.model, machine, w)
+        print(report(g, estimates))
+        print()
+        print(longest_report(g, machine, w))
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

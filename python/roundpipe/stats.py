@@ -33,6 +33,11 @@ Keys (all floats, accumulated since construction or the last reset):
 - ``exact_deferred_calls``: exact-mode calls whose step waited for the end of the backward
   (a loss scaler or clipping needs every gradient's verdict first);
 - ``pinned_bytes``: page-locked host memory held now (CUDA; not reset);
+- ``host_stage_input_bytes``: the most bytes of stage inputs (what a stage's forward visit
+  hands to the next stage, kept on the host for that stage's backward: the activations of
+  every stage boundary and, for a Hugging Face model, the state travelling with them) held at
+  once by the last pass (a ``forward`` or ``forward_backward`` call, or one step of
+  ``generate``; not reset; on the CPU device counted as if copied to the host);
 - ``stages``: the stages of the plan in effect (not reset; ``RoundPipe.plan()`` says which
   and why); ``plan_revisions``: how many times ``layers_per_stage="auto"`` changed the plan.
 """
@@ -47,7 +52,7 @@ TIME_KEYS = ("wall_s", "device_s", "weights_wait_s", "optimizer_wait_s", "optimi
 BYTE_KEYS = (tuple(f"h2d_{k}_bytes" for k in KINDS) + tuple(f"d2h_{k}_bytes" for k in KINDS)
              + ("weight_floor_bytes", "param_grad_floor_bytes", "kv_floor_bytes"))
 COUNT_KEYS = ("exact_deferred_calls", "generate_steps", "generated_tokens", "plan_revisions")
-GAUGES = ("pinned_bytes", "stages")
+GAUGES = ("pinned_bytes", "host_stage_input_bytes", "stages")
 KEYS = TIME_KEYS + BYTE_KEYS + COUNT_KEYS + GAUGES
 
 

@@ -787,7 +787,8 @@ class RoundPipe(nn.Module):
     def pipeline_stats(self, reset: bool = False) -> dict[str, float]:
         """Seconds and bytes accumulated since construction (or the last reset); the keys are
         described in :mod:`roundpipe.stats` (times, ``h2d_<kind>_bytes`` / ``d2h_<kind>_bytes``
-        per kind of data, the byte floors of what was run, ``pinned_bytes``). On CUDA this
+        per kind of data, the byte floors of what was run, ``pinned_bytes``, the stage inputs
+        the last call held on the host at once, ``host_stage_input_bytes``). On CUDA this
         waits for the timing events it reads (a host synchronisation): call it between
         iterations, not inside the steady state you measure."""
         for io in self._ios:

@@ -12,7 +12,9 @@ plain transformers generate, tokens/s and bytes per generated token
 (:mod:`roundpipe.bench.generate`);
 ``python -m roundpipe.bench qlora [options]``: LoRA on a quantized frozen base against a bf16
 base, tokens/s and upload bytes, and (CUDA) one layer's dequantization
-(:mod:`roundpipe.bench.qlora`)."""
+(:mod:`roundpipe.bench.qlora`); ``python -m roundpipe.bench long [options]``: peak host memory
+of one training call at long sequences, plain, padded and packed, against plain transformers
+(:mod:`roundpipe.bench.long`)."""
 
 import sys
 
@@ -39,6 +41,10 @@ if __name__ == "__main__":
         from .qlora import main as qlora_main
 
         qlora_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "long":
+        from .long import main as long_main
+
+        long_main(sys.argv[2:])
     elif len(sys.argv) > 1 and sys.argv[1] == "memory":
         from .memory import main as memory_main
 

@@ -31,8 +31,8 @@ import torch
 
 from ..pipeline.fetch import Carry
 from ..pipeline.stage import AutocastState, PassSpec
+from .attention import describe
 from .kv_cache import KV_CACHE_MODES, MicrobatchKV, PipelineCache
-from .layers import mask_kind
 
 # generate() arguments that need a cache this pipeline does not have
 _REFUSED = {"assistant_model": "assisted decoding", "custom_generate": "custom_generate"}
@@ -130,7 +130,7 @@ def cached_forward(model, input_ids=None, attention_mask=None, position_ids=None
                             ("labels", labels)):
                 if t is not None:
                     kw[name] = _rows(t, r0, r1, batch)
-            kw["mask_kind"] = mask_kind(kw)
+            kw["segments"] = describe(kw)
             microbatches.append(((), kw, None))
         last = [True] * n
     else:
@@ -151,7 +151,7 @@ def cached_forward(model, input_ids=None, attention_mask=None, position_ids=None
                       "logits_to_keep": _rows(logits_to_keep, r0, r1, batch) if final else None}
                 if attention_mask is not None:
                     kw["attention_mask"] = _rows(attention_mask, r0, r1, batch)[:, :past + e]
-                kw["mask_kind"] = mask_kind(kw)
+                kw["segments"] = describe(kw)
                 microbatches.append(((), kw, None))
                 last.append(final)
     spec = PassSpec(microbatches, False, call_seed=0, autocast=AutocastState.capture(),

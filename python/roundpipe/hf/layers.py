@@ -10,10 +10,10 @@ key            value                               why it travels
 hidden         ``(B, S, H)`` model dtype           the activation (the only tensor with a
                                                    gradient)
 position_ids   ``(1, S)`` or ``(B, S)`` int64      HF's mask functions and attention kernels
-attention_mask ``(B, S)`` as given, or None        the padding mask, 2D: each decoder layer
-                                                   builds its 4D mask from it on the device
-mask_kind      ``"causal"``, ``"padded"`` or None  what that mask is, decided once per
-                                                   microbatch on the host (:func:`mask_kind`)
+attention_mask ``(B, S)`` as given, or None        the padding mask, 2D (see below)
+segments       a :class:`~.attention.Segments`     which keys each token attends to, decided
+                                                   once per microbatch on the host
+                                                   (:func:`~.attention.describe`)
 labels         ``(B, S)`` int64, shifted, or None  read by the postfix (the loss)
 cos, sin       ``(1 or B, S, head_dim)`` bit       rotary embedding, computed once per
                pattern as an integer tensor        microbatch by the prefix
@@ -32,17 +32,20 @@ Bytes per layer and microbatch, host <-> device, besides the hidden state ``2·B
 the 2D mask, positions and labels (``8·S`` to ``8·B·S`` each) and cos/sin (``4·S·head_dim`` for
 the default positions) — a few percent of the hidden state for real sizes. Two choices keep it so:
 
-- The 4D attention mask is **not** sent: for padded batches it is ``B·S²`` (as large as the
-  hidden state at 8k tokens). Each decoder layer calls HF's own mask function
-  (``create_causal_mask`` / ``create_sliding_window_causal_mask``, for the configured attention
-  implementation) on the 2D mask, on the device, as HF's model forward does once per call: the
-  same mask, for ``O(B·S²)`` elementwise work against attention's ``O(B·S²·hidden)``.
+- No 4D attention mask exists, neither sent nor built: under RoundPipe's attention
+  implementation (:mod:`.attention`, what a model on transformers' default ``"sdpa"`` gets),
+  each decoder layer passes the microbatch's :class:`~.attention.Segments`, planned for its
+  sliding window, as its ``attention_mask``, and attention runs segment by segment in memory
+  linear in ``S``. Under another implementation (``"eager"``, ``"flash_attention_2"``, ...) and
+  with a KV cache, each decoder layer calls HF's own mask function (``create_causal_mask`` /
+  ``create_sliding_window_causal_mask``) on the 2D mask, on the device, as HF's model forward
+  does once per call (``B·S²`` for a padded batch under ``"eager"``, as in transformers).
 - No layer asks the device what its mask is. HF's mask functions decide it with a Python
   ``if`` on the 2D mask (``padding_mask.all()``) or on the positions (packed sequences): on a
   GPU each is a host wait for the device to finish the work issued so far, once per layer and
-  microbatch, forward and recomputation. :func:`mask_kind` decides it once per microbatch from
-  the host's tensors, and the layers call HF's function so that it does not look (the same
-  mask: see :func:`mask_kind`).
+  microbatch, forward and recomputation. :func:`~.attention.describe` decides it once per
+  microbatch from the host's tensors, and the layers call HF's function so that it does not
+  look (the same mask: see ``Segments.kind``).
 - cos/sin travel as their bit patterns in an integer tensor (``Tensor.view(torch.int16)`` for
   bf16/fp16, ``int32`` for fp32): the pipeline attaches gradients only to floating stage inputs,
   so no gradient is computed for them or sent back through every layer; the decoder layer views
@@ -59,7 +62,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from . import moe
+from . import attention, moe
+from .attention import Segments
 from .loss import chunked_cross_entropy_sum, shift_labels
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -67,35 +71,6 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(_BITS[t.element_size()])
-
-
-def mask_kind(inputs: dict) -> Optional[str]:
-    """What each decoder layer's attention mask is for one microbatch's inputs (the prefix's
-    keyword arguments: ``attention_mask`` ``(B, S_kv)``, ``position_ids`` ``(1 or B, S)``,
-    ``kv`` for a pass with a KV cache), decided where those tensors are (the host, normally:
-    no device wait; on a device, one wait per microbatch instead of one per layer):
-
-    - ``"causal"``: no padding (no ``attention_mask``, or one of ones) and, without a mask or
-      a cache, positions counting up by one (no packed sequences). HF's mask functions give
-      the plain causal mask for these inputs, the same as for no mask and no positions, which
-      is what the layers pass them (nothing for them to read).
-    - ``"padded"``: a 2D mask with a zero: HF's check would find the padding and build the
-      mask, so the layers build it without the check (``allow_is_causal_skip=False``, where
-      the installed transformers has it), except a sliding-window layer with a cache, whose
-      view of the mask (the window) may hold no padding.
-    - None: anything else (packed sequences, a mask that is not 2D): HF's functions decide
-      per layer.
-    """
-    mask = inputs.get("attention_mask")
-    cached = inputs.get("kv") is not None
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-            return None
-        return "causal" if bool(mask.all()) else "padded"
-    pos = inputs.get("position_ids")
-    if cached or pos is None or pos.shape[-1] < 2:
-        return "causal"
-    return "causal" if bool((torch.diff(pos, dim=-1) == 1).all()) else None
 
 
 class Prefix(nn.Module):
@@ -119,7 +94,7 @@ class Prefix(nn.Module):
                 position_ids: Optional[torch.Tensor] = None,
                 inputs_embeds: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, kv: Any = None,
-                logits_to_keep: Any = 0, mask_kind: Optional[str] = None) -> dict:
+                logits_to_keep: Any = 0, segments: Optional[Segments] = None) -> dict:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("RoundPipe (Hugging Face model): give exactly one of input_ids "
                              "and inputs_embeds")
@@ -135,7 +110,7 @@ class Prefix(nn.Module):
             suffix = "" if kind is None else "." + kind
             rope["cos" + suffix], rope["sin" + suffix] = _as_bits(cos), _as_bits(sin)
         state = {"hidden": hidden, "position_ids": position_ids, "attention_mask": attention_mask,
-                 "mask_kind": mask_kind,
+                 "segments": segments,
                  "labels": None if labels is None else shift_labels(labels),
                  **rope, "rope_dtype": cos.dtype}
         if kv is not None:
@@ -178,9 +153,15 @@ class Decoder(nn.Module):
         self._no_skip = "allow_is_causal_skip" in inspect.signature(base).parameters
 
     def _mask(self, state: dict, hidden: torch.Tensor, cache: Any):
-        """The layer's 4D mask (or None: SDPA's ``is_causal``), from HF's mask function, told
-        what :func:`mask_kind` found so that it reads nothing on the device."""
-        kind = state.get("mask_kind")
+        """The layer's attention mask: under :data:`.attention.NAME` without a cache, the
+        microbatch's segments planned for the layer's window (None: plain causal); else HF's
+        4D mask (or None: SDPA's ``is_causal``) from HF's mask function, told what
+        :func:`~.attention.describe` found so that it reads nothing on the device."""
+        segments = state.get("segments")
+        if (cache is None and segments is not None and segments.rows is not None
+                and self.config._attn_implementation == attention.NAME):
+            return segments.mask(self.sliding_window, state["attention_mask"])
+        kind = None if segments is None else segments.kind
         if kind == "causal":
             return self.mask_fn(self.config, hidden, None, cache, None)
         look = (kind != "padded" or not self._no_skip

@@ -11,7 +11,8 @@ from torch import nn
 from ..quant import refuse_foreign_quantization
 from ..wrapper import RoundPipe
 from . import moe, save
-from .layers import Decoder, Postfix, Prefix, RoutingState, mask_kind
+from .attention import describe, use_segment_attention
+from .layers import Decoder, Postfix, Prefix, RoutingState
 from .loss import TokenStats, count_items
 from .packed import packed_starts, split_packed
 from .parts import Parts, check_logits, disable_gradient_checkpointing
@@ -52,7 +53,8 @@ class HFRoundPipe(RoundPipe):
                            None if parts.rope_types is None else parts.rope_types[i])
                    for i, (layer, fn) in enumerate(zip(parts.layers, parts.mask_fns))]
         layers.append(Postfix(parts.norm, parts.lm_head, loss_chunk_size))
-        check_logits(hf, parts, layers)
+        use_segment_attention(hf, parts.config, bool(parts.mask_kwargs),
+                              lambda: check_logits(hf, parts, layers))
         if roundpipe_kwargs.get("split_fn") is None:  # packed rows cut at sequence starts
             roundpipe_kwargs["split_fn"] = split_packed
         super().__init__(model, optim_dtype, layers=layers, **roundpipe_kwargs)
@@ -67,9 +69,9 @@ class HFRoundPipe(RoundPipe):
 
     def _microbatches(self, args, kwargs, label, num_microbatch) -> list:
         """The call's microbatches (:meth:`RoundPipe._microbatches`, ``split_fn``), each told
-        its :func:`~roundpipe.hf.layers.mask_kind` here, on the host, so that no decoder layer
-        has to ask the device."""
-        return [(a, {**kw, "mask_kind": mask_kind(kw)}, lab)
+        its :class:`~roundpipe.hf.attention.Segments` here, on the host, so that no decoder
+        layer has to ask the device."""
+        return [(a, {**kw, "segments": describe(kw)}, lab)
                 for a, kw, lab in super()._microbatches(args, kwargs, label, num_microbatch)]
 
     def _last_stage_fence(self, layers: list[nn.Module]) -> tuple[int, str]:

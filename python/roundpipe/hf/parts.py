@@ -31,6 +31,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .attention import describe
+
 _PATHS = {
     "token embeddings": ("model.embed_tokens", "model.embed_in", "transformer.wte", "embed_tokens"),
     "decoder layers": ("model.layers", "model.decoder.layers", "transformer.h", "layers"),
@@ -244,17 +246,18 @@ def _dropouts(model: nn.Module, config: Any) -> list[str]:
 def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
     """Checks once, at wrap time, that the pipeline layers reproduce the model: the logits of
     ``[prefix, the first CHECK_LAYERS decoder layers, postfix]`` on a fixed input of
-    CHECK_TOKENS tokens against ``model``'s own forward with only those decoder layers, and
-    that the earlier positions' logits do not change with the last token (the causal mask).
-    Where the model has dropout (:func:`_dropouts`), the same comparison in training mode
-    too, every part under the seed the pipeline gives it (``roundpipe.layer_seed(seed, layer,
-    0)``: the model's forward seeded so by hooks on its embeddings and decoder layers), so a
-    dropout (or other randomness) the model's forward applies outside its decoder layers and
-    the layers lack is seen. A model the probe accepts but that computes something else (a
-    mask built otherwise, a scaling or a dropout in its forward) is refused before it can
-    train. Cost: two forwards of two layers on 6 tokens (four with dropout; no gradient; the
-    modules' training flags, HF's gradient checkpointing flags and torch's random number
-    generator are restored).
+    CHECK_TOKENS tokens, and on the same tokens packed as two sequences (``position_ids``
+    restarting halfway: each layer's mask or segments as the wrapper builds them), against
+    ``model``'s own forward with only those decoder layers, and that the earlier positions'
+    logits do not change with the last token (the causal mask). Where the model has dropout
+    (:func:`_dropouts`), the same comparison in training mode too, every part under the seed
+    the pipeline gives it (``roundpipe.layer_seed(seed, layer, 0)``: the model's forward
+    seeded so by hooks on its embeddings and decoder layers), so a dropout (or other
+    randomness) the model's forward applies outside its decoder layers and the layers lack is
+    seen. A model the probe accepts but that computes something else (a mask built otherwise,
+    a scaling or a dropout in its forward) is refused before it can train. Cost: five forwards
+    of two layers on 6 tokens (seven with dropout; no gradient; the modules' training flags,
+    HF's gradient checkpointing flags and torch's random number generator are restored).
 
     Raises:
         TypeError: the logits differ (by more than 1e-4 of their largest magnitude for a
@@ -270,6 +273,8 @@ def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
     ids = ((torch.arange(CHECK_TOKENS) * 7919 + 11) % vocab).unsqueeze(0)
     changed = ids.clone()
     changed[0, -1] = (ids[0, -1] + 1) % vocab
+    packed = {"input_ids": ids,
+              "position_ids": (torch.arange(CHECK_TOKENS) % (CHECK_TOKENS // 2)).unsqueeze(0)}
     training = {m: m.training for m in model.modules()}
     checkpointing = [m for m in model.modules()
                      if getattr(m, "gradient_checkpointing", False) is True]
@@ -278,10 +283,10 @@ def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
     dropouts = _dropouts(model, parts.config)
     seed = 12345
 
-    def ours(x: torch.Tensor, seeded: bool = False) -> torch.Tensor:
+    def ours(seeded: bool = False, **inputs) -> torch.Tensor:
         if seeded:
             torch.manual_seed(layer_seed(seed, 0, 0))
-        state = layers[0](input_ids=x)
+        state = layers[0](**inputs, segments=describe(inputs))
         for i, d in enumerate(layers[1:1 + k], 1):
             routing, d.routing = d.routing, None  # no routing statistics for a test input
             try:
@@ -294,7 +299,7 @@ def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
             torch.manual_seed(layer_seed(seed, len(parts.layers) + 1, 0))
         return layers[-1]({**state, "labels": None}).float()
 
-    def theirs(x: torch.Tensor, seeded: bool = False) -> torch.Tensor:
+    def theirs(inputs: dict, seeded: bool = False) -> torch.Tensor:
         """The model's forward on its first ``k`` decoder layers (all of them when it needs
         them); ``seeded``: each part seeded as the pipeline seeds it."""
         nonlocal k
@@ -310,12 +315,12 @@ def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
             try:
                 setattr(owner, attr, nn.ModuleList(list(full)[:k]))
                 try:
-                    return model(input_ids=x, use_cache=False).logits.float()
+                    return model(**inputs, use_cache=False).logits.float()
                 finally:
                     setattr(owner, attr, full)
             except Exception:  # a forward that needs all its layers: the whole model
                 k = len(parts.layers)
-                return model(input_ids=x, use_cache=False).logits.float()
+                return model(**inputs, use_cache=False).logits.float()
         finally:
             for h in hooks:
                 h.remove()
@@ -323,9 +328,12 @@ def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
     model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            want = theirs(ids)
+            before = k
+            want, want_packed = theirs({"input_ids": ids}), theirs(packed)
+            if k != before:  # the packed forward needed every layer: the first one too
+                want = theirs({"input_ids": ids})
             try:
-                a, b = ours(ids), ours(changed)
+                a, b, c = ours(input_ids=ids), ours(input_ids=changed), ours(**packed)
             except Exception as e:
                 raise TypeError(f"wrap_model_to_roundpipe: {name}'s layers fail when called "
                                 f"as RoundPipe calls them ({type(e).__name__}: {e}); this model "
@@ -334,7 +342,8 @@ def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
                 model.train()
                 for m in checkpointing:  # HF's own recomputation: not what is compared
                     m.gradient_checkpointing = False
-                want_train, a_train = theirs(ids, True), ours(ids, True)
+                want_train = theirs({"input_ids": ids}, True)
+                a_train = ours(True, input_ids=ids)
     finally:
         for m, flag in training.items():
             m.training = flag
@@ -347,6 +356,7 @@ def check_logits(model: nn.Module, parts: Parts, layers: list) -> None:
         return (float((got - ref).abs().max()) if got.shape == ref.shape else math.inf), tol
 
     err, tol = err_tol(a, want)
+    err = max(err, err_tol(c, want_packed)[0])
     leak = float((b[:, :-1] - a[:, :-1]).abs().max())
     if not (err <= tol and leak <= tol):
         why = (" (earlier positions depend on the last token: no causal mask)" if not leak <= tol

@@ -22,10 +22,12 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
 from torch import nn
 
 from ..plan import Stage, device_index
 from ..stats import Stats
+from ..torch_private import tree_flatten
 from ..transfer import DeviceIO, GradDownload, TensorRef
 from .fetch import WeightFetcher
 from .schedule import Visit, device_orders, pass_order
@@ -93,6 +95,11 @@ class Pass:
         for m, (args, kwargs, _) in enumerate(spec.microbatches):
             self.acts[0][m].set(((args, kwargs), None))
         self.grads = [[Slot() for _ in range(M)] for _ in range(S + 1)]
+        # bytes of each stage input the pass made (stages 1 .. S-1) while on the host, their sum
+        # and its most at once (``host_stage_input_bytes``)
+        self._input_bytes = [[0] * M for _ in range(S + 1)]
+        self._held = self._held_most = 0
+        self._held_lock = threading.Lock()
         self.forward_done = [Slot() for _ in range(S)]
         self.handed_over = [Slot() for _ in range(S)]
         self.losses: list = [None] * M
@@ -151,6 +158,7 @@ class Pass:
             abort.set()
             for d in used:
                 self.ios[d].finish()
+            self.stats.set("host_stage_input_bytes", self._held_most)
         if self.spec.upload_ahead and self.spec.carry is not None:
             self._upload_ahead(runners)
 
@@ -164,6 +172,26 @@ class Pass:
             if item is not None:
                 self.spec.carry.put(d, item, self.ios[d])
                 self.stats.add("weight_floor_bytes", self._visit_floor(item[0])[0])
+
+    def hand_over(self, s: int, m: int, item: tuple) -> None:
+        """Gives stage ``s`` its input for microbatch ``m`` (a host tree and its event),
+        counting its bytes while it is held (stage 0's input is the caller's, stage S's the
+        pass's output: not counted)."""
+        if 0 < s < len(self.layout.stages):
+            size = sum(t.numel() * t.element_size() for t in tree_flatten(item[0])[0]
+                       if isinstance(t, torch.Tensor))
+            with self._held_lock:
+                self._input_bytes[s][m] = size
+                self._held += size
+                self._held_most = max(self._held_most, self._held)
+        self.acts[s][m].set(item)
+
+    def drop_input(self, s: int, m: int) -> None:
+        """Stage ``s``'s input for microbatch ``m`` is read for the last time."""
+        self.acts[s][m].clear_value()
+        with self._held_lock:
+            self._held -= self._input_bytes[s][m]
+            self._input_bytes[s][m] = 0
 
     def stage_input_done(self, s: int) -> bool:
         """Whether nothing reads stage ``s``'s inputs after its forward visit."""
@@ -215,9 +243,9 @@ class _DeviceRun:
         for m in range(len(p.spec.microbatches)):
             tree, event = p.acts[s][m].get(abort)
             if p.stage_input_done(s):
-                p.acts[s][m].clear_value()
-            p.acts[s + 1][m].set(visit.forward_one_chunk(m, tree, event,
-                                                         "output" if last else "activation"))
+                p.drop_input(s, m)
+            p.hand_over(s + 1, m, visit.forward_one_chunk(m, tree, event,
+                                                          "output" if last else "activation"))
             tree = None
             self.fetcher.maybe_prefetch(k)
         visit.finish(False, abort)
@@ -231,7 +259,7 @@ class _DeviceRun:
             tree, event = p.acts[s][m].get(abort)
             grad_output = None if last else p.grads[s + 1][m].get(abort)
             out = visit.backward_one_chunk(m, tree, event, grad_output)
-            p.acts[s][m].clear_value()
+            p.drop_input(s, m)
             if not last:
                 p.grads[s + 1][m].clear_value()
             tree = grad_output = None
