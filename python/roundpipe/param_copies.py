@@ -384,6 +384,8 @@ class ParamCopies:
             self._stale = set()
         self.settle()  # e.g. loaded into the files through their mappings: nothing read before
         self.write_back_many(list(range(len(self.model))))
+        if self.store is not None:
+            self.store.sync_files()  # what was written through the mappings: on the disk
         if self.comm is not None:
             self.comm.all_gather_rows([self.model[i]
                                        for i in self.index.sharded(range(len(self.model)))])

@@ -194,8 +194,7 @@ class Steps:
         self.thread.wait()
         self.copies.write_back_stale()
         self.thread.raise_error()
-        if self.copies.store is not None:
-            self.copies.store.flush()  # a write that failed is raised (again) here
+        self.copies.settle()  # the disk's writes have ended (a failed one: see StateStore)
 
     def close(self) -> None:
         """Ends the optimizer thread once its queued work is done."""

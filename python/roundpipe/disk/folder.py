@@ -161,7 +161,10 @@ class Folder:
         else:
             self.sys.close(fd)
             direct = True
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
         if not direct:
             warnings.warn(f"RoundPipe optimizer_dir {self.path!r}: its file system "
                           f"({self.fs or 'unknown'}) refuses direct I/O (O_DIRECT: EINVAL); the "

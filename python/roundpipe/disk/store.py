@@ -166,7 +166,8 @@ class StateStore:
         self._next: dict[tuple, tuple] = {}   # key -> the key acquired after it last time
         self._units: dict[tuple, list] = {}   # key -> its slots (weak)
         self._last: Optional[tuple] = None
-        self._held: list[tuple[Batch, BaseException]] = []
+        self._doomed: list[Extent] = []  # files to remove once no transfer is in flight
+        self._held: list[tuple[Batch, bool]] = []  # failed writes, whether raised already
         self.stats = dict.fromkeys(("read_bytes", "write_bytes", "wait_s", "window_peak_bytes",
                                     "read_ahead_hits", "acquires"), 0.0)
         self._names: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # param -> its name
@@ -275,8 +276,7 @@ class StateStore:
         """A new tensor held here (its values: zeros, in the file), e.g. for a checkpoint to
         load into through the mapping."""
         slot, = self.slots([(tuple(shape), dtype, label, 0)], extent)
-        t = slot.home.view(slot.shape)
-        t = torch.empty(0, dtype=dtype).set_(t)
+        t = torch.empty(0, dtype=dtype)
         self.bind(t, slot, fill=False)
         return t
 
@@ -310,13 +310,23 @@ class StateStore:
     def _maybe_remove(self, extent: Extent) -> None:
         if extent.live == 0 and not extent.carving and not self.closed:
             with self._cv:
-                if extent in self._extents:
-                    self._extents.remove(extent)
-                    try:
-                        self.sys.close(extent.fd)
-                        os.unlink(extent.path)
-                    except OSError:
-                        pass
+                if extent in self._extents and extent not in self._doomed:
+                    self._doomed.append(extent)
+                self._reap()
+
+    def _reap(self) -> None:
+        """Files whose slots are all gone are closed and removed once no transfer is in flight
+        (caller holds the lock)."""
+        if not self._doomed or self._writing or any(b.pending for b in self._ahead.values()):
+            return
+        for extent in self._doomed:
+            self._extents.remove(extent)
+            try:
+                self.sys.close(extent.fd)
+                os.unlink(extent.path)
+            except OSError:
+                pass
+        self._doomed.clear()
 
     def sync_files(self) -> None:
         """What was written through the mappings reaches the disk now (``msync``), so a write
@@ -587,6 +597,7 @@ class StateStore:
                     if writing:
                         self._writing -= 1
                         self._written(batch)
+                        self._reap()
                     elif batch.prefetched:  # an error is seen (and dropped) when taken
                         for s in batch.slots:
                             if s.batch is batch:
@@ -613,28 +624,35 @@ class StateStore:
             return
         for s in batch.slots:
             s.state = HELD
-        self._held.append((batch, batch.error))
+        self._held.append((batch, False))  # (batch, error raised already)
 
     def _retry_held(self, wait: bool) -> None:
-        """The writes that failed are tried again (each once; with ``wait``, after every write
-        in flight has ended); raises if one still fails."""
+        """With ``wait``, waits for the writes in flight first. A write that failed is raised
+        once (the step that made it fails with its error); later, each failed write is tried
+        again first, raising if it still fails."""
         with self._cv:
             while wait and self._writing:
                 self._cv.wait()
             if not self._held:
                 return
-            held, self._held = self._held, []
-            for batch, _ in held:
-                self._write(batch)
-            while any(b.pending for b, _ in held):
+            fresh = [b for b, reported in self._held if not reported]
+            if not fresh:  # reported already: try them again
+                held, self._held = self._held, []
+                for batch, _ in held:
+                    self._write(batch)
+                while any(b.pending for b, _ in held):
+                    self._cv.wait()
+                fresh = [b for b, _ in self._held]
+                if not fresh:
+                    return
+            while self._writing:  # the writes in flight too: one error for all that failed
                 self._cv.wait()
-            failed = [b for b, _ in held if b.error is not None]
-        if not failed:
-            return
-        error = failed[0].error
+            fresh = [b for b, reported in self._held if not reported] or fresh
+            self._held = [(b, True) for b, _ in self._held]
+        error = fresh[0].error
         raise as_error(
             self.path, "writing the optimizer state", error,
-            f"; {_labels([s for b in failed for s in b.slots])} could not be written and are "
+            f"; {_labels([s for b in fresh for s in b.slots])} could not be written and are "
             "held in memory with their stepped values (nothing is lost: reading them, "
             "state_dict() and roundpipe.save_checkpoint() see those); what was stepped before "
             "them was written, what comes after them in this step was not stepped. Free the "
@@ -648,9 +666,10 @@ class StateStore:
         self._retry_held(wait=True)
 
     def settle(self) -> None:
-        """Every write has ended (raising if one failed) and nothing read ahead is kept: for
-        changes made to the tensors through their mappings."""
-        self.flush()
+        """Every write has ended (one that failed is left to the next acquire or flush: the
+        tensors it holds keep their values in memory) and nothing read ahead is kept: before
+        the tensors are read or changed outside a step (through their mappings)."""
+        self.wait_writes()
         with self._cv:
             for batch in list(self._ahead.values()):
                 self._drop(batch)

@@ -350,7 +350,7 @@ class CpuOptimizer(Optimizer):
         sd = super().state_dict()
         store = self._store(p for g in self.param_groups for p in g["params"])
         if store is not None:  # copies of what lives in files (torch gives references)
-            store.flush()
+            store.settle()
             sd["state"] = {pid: {k: v.clone() if store.holds(v) else v for k, v in st.items()}
                            for pid, st in sd["state"].items()}
         if self._memory.calls:
@@ -379,6 +379,37 @@ class CpuOptimizer(Optimizer):
         for key in self._state_keys:
             if key in values:
                 compact.store(self._memory, p, p_state, key, values, self._int8_signed)
+        store = self._store((p,))
+        if store is not None:  # kept in files: what is not there yet moves there
+            new = [(v, f"{store.name(p)}: {k}") for k, v in p_state.items()
+                   if torch.is_tensor(v) and v.dim() > 0 and not store.holds(v)]
+            if new:
+                room = self._disk
+                store.adopt([t for t, _ in new], [n for _, n in new],
+                            room.extent if room.store is store else None)
+
+    def empty_state(self, requests: Sequence[tuple]) -> list[torch.Tensor]:
+        """For each ``(p, shape, dtype)`` of ``requests``, an uninitialised tensor to load a
+        state tensor of parameter ``p`` into (e.g. from a checkpoint), then handed to
+        :meth:`store_state`: in host memory, or, when ``p``'s state is kept in files
+        (``RoundPipe(..., optimizer_dir=...)``) and the tensor has dimensions, in a file
+        allocated for all of them at once (the values arrive through its mapping)."""
+        out: list = [None] * len(requests)
+        by_store: dict = {}
+        for k, (p, shape, dtype) in enumerate(requests):
+            store = self._store((p,)) if len(shape) else None
+            if store is None:
+                out[k] = torch.empty(shape, dtype=dtype)
+            else:
+                by_store.setdefault(store, []).append(k)
+        for store, ks in by_store.items():
+            extent = store.reserve([(requests[k][1], requests[k][2]) for k in ks],
+                                   f"the loaded state of roundpipe.optim.{type(self).__name__}")
+            for k in ks:
+                p, shape, dtype = requests[k]
+                out[k] = store.empty(shape, dtype, f"{store.name(p)}: loaded state", extent)
+            store.done_carving(extent)
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``; 0-dim state saved in another dtype (an
@@ -396,6 +427,16 @@ class CpuOptimizer(Optimizer):
         """
         calls = compact.check_calls(f"roundpipe.optim.{type(self).__name__}.load_state_dict",
                                     state_dict.get("rounding_calls", self._memory.calls))
+        store = self._store(p for g in self.param_groups for p in g["params"])
+        if store is not None:
+            store.settle()  # no write in flight to the state being replaced
+            room = self._disk
+            if room.store is store:
+                store.done_carving(room.extent)
+            room.store, room.extent = store, store.reserve(  # what store_state moves there
+                [s for g in self.param_groups for p in g["params"] if store_of(p) is store
+                 for s in self._state_layout(g, p)],
+                f"the loaded state of roundpipe.optim.{type(self).__name__}")
         saved_groups = state_dict.get("param_groups", [])
         by_id: dict = {}
         if len(saved_groups) == len(self.param_groups):
@@ -437,18 +478,9 @@ class CpuOptimizer(Optimizer):
             if torch.is_tensor(p):
                 self.store_state(p, st, st)
         self._memory.calls = calls
-        store = self._store(self.state)
-        if store is not None:  # into the files, in one of them
-            todo = [(v, f"{store.name(p)}: {k}") for p, st in self.state.items()
-                    if torch.is_tensor(p) and store_of(p) is store
-                    for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0]
-            extent = store.reserve([(t.shape, t.dtype) for t, _ in todo],
-                                   f"the loaded state of roundpipe.optim.{type(self).__name__}")
-            store.adopt([t for t, _ in todo], [n for _, n in todo], extent)
-            store.done_carving(extent)
-            if self._disk.store is store:  # its state exists now: no reservation to carve from
-                store.done_carving(self._disk.extent)
-            self._disk.store, self._disk.extent = store, None
+        if store is not None:  # all of it is in the files now (store_state): nothing to carve
+            store.done_carving(self._disk.extent)
+            self._disk.extent = None
 
     def _scalar_state_to_tensors(self) -> None:
         """0-dim state as the kernels keep it, float32 tensors: Python numbers (old checkpoints;
