@@ -154,7 +154,7 @@ class IOChoice:
 #: Candidates of the measurement: request sizes and depths (sequential transfers).
 BLOCKS = (1 << 20, 4 << 20)
 DEPTHS = (1, 2, 4, 8)
-PROBE_BYTES = 32 << 20
+PROBE_BYTES = 16 << 20
 _measured: dict[tuple[int, bool], IOChoice] = {}
 _measure_lock = threading.Lock()
 
