@@ -189,8 +189,16 @@ def test_the_window_stays_bounded_when_the_state_is_many_times_larger(tmp_path, 
         live[0] = peak[0] = 0
         model = wrap(tmp_path / mode, layers=16, hidden=256)
         opt = rpo.AdamW(model.optim_parameters(), lr=1e-3)
-        train(model, opt, mode, range(3))
+        train(model, opt, mode, range(2))
+        first = model.pipeline_stats(reset=True)
+        train(model, opt, mode, range(2, 3))
+        stats = model.pipeline_stats()
         store = model._copies.store
+        slots = [_slot_of(t) for t in list(model.optim_parameters()) + [
+            v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]]
+        assert stats["disk_write_bytes"] == sum(s.size for s in slots)  # each once per step
+        assert first["disk_read_bytes"] >= first["disk_write_bytes"] > 0  # each read once at least
+        assert stats["disk_window_bytes"] == store.stats["window_peak_bytes"]
         on_disk = sum(o.numel() * 4 * 3 for o in model.optim_parameters())
         assert store.limit * 4 <= on_disk, (store.limit, on_disk)
         assert 0 < peak[0] <= store.limit, (peak[0], store.limit)

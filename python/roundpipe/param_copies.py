@@ -323,8 +323,9 @@ class ParamCopies:
         return [groups[k] for k in sorted(groups)]
 
     def settle(self) -> None:
-        """Before the optimizer copies are read or written outside a step: with a store, its
-        writes have ended (raising one that failed) and nothing read ahead is kept."""
+        """Before the optimizer copies are written outside a step through their files'
+        mappings (a checkpoint loaded in place): with a store, its writes have ended and
+        nothing read ahead is kept."""
         if self.store is not None:
             self.store.settle()
 
@@ -476,7 +477,8 @@ class ParamCopies:
     def state_dict(self, sd: dict, prefix: str, keep_vars: bool) -> dict:
         """``sd`` (the module's state dict) with every name of a trainable parameter (tied ones
         included) holding its optimizer copy."""
-        self.settle()
+        if self.store is not None:
+            self.store.wait_writes()
         full = {}
         for i in self.index.sharded(range(len(self.model))):  # collective: every rank calls it
             full[i] = self.comm.gather_rows(self.optim[i].detach(), self.model[i].shape)

@@ -194,7 +194,8 @@ class Steps:
         self.thread.wait()
         self.copies.write_back_stale()
         self.thread.raise_error()
-        self.copies.settle()  # the disk's writes have ended (a failed one: see StateStore)
+        if self.copies.store is not None:  # the disk's writes have ended (a failed one: the
+            self.copies.store.wait_writes()  # next step raises or retries it)
 
     def close(self) -> None:
         """Ends the optimizer thread once its queued work is done."""

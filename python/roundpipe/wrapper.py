@@ -823,6 +823,11 @@ class RoundPipe(nn.Module):
         for io in self._ios:
             for key, value in io.collect().items():
                 self._stats.add(key, value)
+        store = self._copies.store
+        if store is not None:
+            for key, value in store.collect().items():
+                self._stats.add(key, value)
+            self._stats.set("disk_window_bytes", store.stats["window_peak_bytes"])
         return self._stats.snapshot(reset)
 
     # --- checkpoints -------------------------------------------------------------------------------

@@ -170,6 +170,7 @@ class StateStore:
         self._held: list[tuple[Batch, bool]] = []  # failed writes, whether raised already
         self.stats = dict.fromkeys(("read_bytes", "write_bytes", "wait_s", "window_peak_bytes",
                                     "read_ahead_hits", "acquires"), 0.0)
+        self._collected: dict[str, float] = {}
         self._names: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # param -> its name
         _open_stores[0] += 1
         self._finalizer = weakref.finalize(self, _close_quietly, self.folder, self._extents)
@@ -680,6 +681,16 @@ class StateStore:
         with self._cv:
             while self._writing:
                 self._cv.wait()
+
+    def collect(self) -> dict[str, float]:
+        """``disk_read_bytes``, ``disk_write_bytes`` and ``disk_wait_s`` since the last call
+        (for ``RoundPipe.pipeline_stats``)."""
+        keys = {"disk_read_bytes": "read_bytes", "disk_write_bytes": "write_bytes",
+                "disk_wait_s": "wait_s"}
+        with self._cv:
+            out = {k: self.stats[v] - self._collected.get(v, 0.0) for k, v in keys.items()}
+            self._collected = {v: self.stats[v] for v in keys.values()}
+        return out
 
     def window_bytes(self) -> int:
         """Bytes of window buffers held now (in use or idle)."""

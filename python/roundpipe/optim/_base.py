@@ -350,7 +350,7 @@ class CpuOptimizer(Optimizer):
         sd = super().state_dict()
         store = self._store(p for g in self.param_groups for p in g["params"])
         if store is not None:  # copies of what lives in files (torch gives references)
-            store.settle()
+            store.wait_writes()
             sd["state"] = {pid: {k: v.clone() if store.holds(v) else v for k, v in st.items()}
                            for pid, st in sd["state"].items()}
         if self._memory.calls:
