@@ -12,7 +12,10 @@ plain transformers generate, tokens/s and bytes per generated token
 (:mod:`roundpipe.bench.generate`);
 ``python -m roundpipe.bench qlora [options]``: LoRA on a quantized frozen base against a bf16
 base, tokens/s and upload bytes, and (CUDA) one layer's dequantization
-(:mod:`roundpipe.bench.qlora`)."""
+(:mod:`roundpipe.bench.qlora`);
+``python -m roundpipe.bench disk [options]``: the optimizer state on a disk against the disk's
+bandwidth and against host memory: step bytes, exact-mode time, peak RSS
+(:mod:`roundpipe.bench.disk`)."""
 
 import sys
 
@@ -39,6 +42,10 @@ if __name__ == "__main__":
         from .qlora import main as qlora_main
 
         qlora_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "disk":
+        from .disk import main as disk_main
+
+        disk_main(sys.argv[2:])
     elif len(sys.argv) > 1 and sys.argv[1] == "memory":
         from .memory import main as memory_main
 

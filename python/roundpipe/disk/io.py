@@ -15,6 +15,7 @@ system call, so the pool reaches what the C threads do. ``O_DIRECT`` keeps the p
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import queue
@@ -87,45 +88,48 @@ def _transfer(call, fd: int, buf: memoryview, offset: int, direct: bool, what: s
 
 
 class Pool:
-    """``depth`` threads running ``(fn, done)`` tasks: ``fn()`` then ``done(error or None)``;
-    started on first use, daemon threads (the store waits for its own work before it closes)."""
+    """``threads`` threads running ``(fn, done)`` tasks: ``fn()`` then ``done(error or None)``,
+    reads before writes (a read is what the next step call waits for; a write only frees its
+    window buffer); started on first use, daemon threads (the store waits for its own work
+    before it closes)."""
 
-    def __init__(self, depth: int, name: str) -> None:
-        self.depth = depth
-        self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
+    def __init__(self, threads: int, name: str) -> None:
+        self.threads = threads
+        self._tasks: "queue.PriorityQueue" = queue.PriorityQueue()
         self._threads: list[threading.Thread] = []
         self._name = name
         self._lock = threading.Lock()
+        self._count = itertools.count()
 
-    def submit(self, fn: Callable[[], None], done: Callable[[Optional[BaseException]], None]) -> None:
+    def submit(self, fn: Callable[[], None], done: Callable[[Optional[BaseException]], None],
+               write: bool = False) -> None:
         with self._lock:
             if not self._threads:
-                for k in range(self.depth):
+                for k in range(self.threads):
                     t = threading.Thread(target=self._run, name=f"{self._name}-{k}", daemon=True)
                     t.start()
                     self._threads.append(t)
-        self._tasks.put((fn, done))
+        self._tasks.put((int(write), next(self._count), fn, done))
 
     def _run(self) -> None:
         while True:
-            task = self._tasks.get()
-            if task is None:
+            _, _, fn, done = self._tasks.get()
+            if fn is None:
                 return
-            fn, done = task
             error = None
             try:
                 fn()
             except BaseException as e:  # noqa: BLE001 - handed to done
                 error = e
             done(error)
-            del task, fn, done, error
+            del fn, done, error
 
     def close(self) -> None:
         """Ends the threads once the queued tasks have run."""
         with self._lock:
             threads, self._threads = self._threads, []
         for _ in threads:
-            self._tasks.put(None)
+            self._tasks.put((2, next(self._count), None, None))
         for t in threads:
             if t is not threading.current_thread():
                 t.join()
@@ -137,7 +141,8 @@ class IOChoice:
 
     Attributes:
         block: bytes per request (a multiple of :data:`ALIGN`).
-        depth: requests in flight (threads of the pool).
+        depth: requests in flight per direction (the pool has twice as many threads: a step
+            reads the next set while it writes the last one).
         direct: whether the files are opened with ``O_DIRECT``.
         read_gbps / write_gbps: what the chosen setting reached in the measurement (1e9 B/s).
         reason: how it was chosen.

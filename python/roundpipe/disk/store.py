@@ -14,8 +14,8 @@ changes:
   anonymous memory and points the tensors at it; the C++ kernels run on it unchanged; on leaving,
   the buffer is written back (direct I/O again) and the tensors return home once it is on disk.
 
-The window is bounded: its buffers never exceed :attr:`StateStore.limit`, three times the largest
-set of tensors one acquire took (triple buffering: one set being stepped, the next one being
+The window is bounded: its buffers never exceed :attr:`StateStore.limit`, the largest sum of three
+sets of tensors acquired in a row (triple buffering: one set being stepped, the next one being
 read, the previous one being written). Reads are started ahead: the store learns which set
 followed which (the same order every step: exact mode's stages in descending order, a step's
 layers in ascending order) and, on each acquire, starts reading the sets that followed it last
@@ -140,7 +140,10 @@ class StateStore:
         rank: this process's rank (its own subfolder).
 
     Attributes:
-        limit: bytes the window may hold (grows with the largest acquire: three times it).
+        limit: bytes the window may hold: the largest sum of three sets acquired in a row (the
+            one being written, the one being stepped, the one being read ahead), as seen so
+            far (it only grows; a set larger than the room left is still taken when nothing
+            else is in flight).
         closed: whether :meth:`close` ran.
 
     Raises:
@@ -165,6 +168,7 @@ class StateStore:
         self._ahead: dict[tuple, Batch] = {}  # key -> batch read ahead
         self._next: dict[tuple, tuple] = {}   # key -> the key acquired after it last time
         self._units: dict[tuple, list] = {}   # key -> its slots (weak)
+        self._sizes: dict[tuple, int] = {}    # key -> its bytes
         self._last: Optional[tuple] = None
         self._doomed: list[Extent] = []  # files to remove once no transfer is in flight
         self._held: list[tuple[Batch, bool]] = []  # failed writes, whether raised already
@@ -375,14 +379,19 @@ class StateStore:
                     s.pins += 1
                     if write:
                         s.batch.dirty = True
-            self.limit = max(self.limit, 3 * sum(s.size for s in slots))
+            size = sum(s.size for s in slots)
             batches = []
             if fresh:
                 key = tuple(sorted(id(s) for s in fresh))
                 self.stats["acquires"] += 1
                 if self._last is not None and self._last != key:
                     self._next[self._last] = key
+                # room for three sets: the one written before, this one, the one read next
+                # (this one's size again until the order is known)
+                after = self._sizes.get(self._next.get(key), size)
+                self.limit = max(self.limit, self._sizes.get(self._last, size) + size + after)
                 self._last = key
+                self._sizes[key] = size
                 self._units[key] = [weakref.ref(s) for s in fresh]
                 batch = self._take_ahead(key, fresh)
                 if batch is None:
@@ -574,7 +583,7 @@ class StateStore:
         """Starts ``batch``'s reads or writes in requests of the chosen size (lock held)."""
         choice = self.choice
         if self._pool is None:
-            self._pool = io.Pool(choice.depth, "roundpipe-disk")
+            self._pool = io.Pool(2 * choice.depth, "roundpipe-disk")
         pieces = []
         for ext, off, boff, length in self._runs(batch):
             for k in range(0, length, choice.block):
@@ -609,7 +618,7 @@ class StateStore:
         for fd, off, boff, length in pieces:
             part = view[boff:boff + length]
             self._pool.submit(lambda fd=fd, part=part, off=off: op(sys, fd, part, off, direct),
-                              done)
+                              done, write=writing)
 
     def _read(self, batch: Batch) -> None:
         self._transfer(batch, writing=False)
