@@ -5,11 +5,12 @@ against host memory, in one run:
   the request size and depth it chose at first use): reading, writing, and both at once (one
   file read while another is written, the mix a step makes);
 - **step** (per algorithm and state format): ``model.step(opt)`` of a model whose optimizer
-  copies and state live on the disk, its bytes read and written (``pipeline_stats``) against
-  the disk's bound for that mix, ``max(read / read bandwidth, write / write bandwidth,
-  (read + write) / both-at-once bandwidth)``: the share of the disk's bandwidth the step
-  reaches (the step's kernels are ~1 ns per parameter; the disk takes ~15 ns per parameter for
-  float32 AdamW at 1.5 GB/s, so the disk is the bound);
+  copies and state live on the disk (nothing read ahead: the step reads all it steps), its
+  bytes read and written (``pipeline_stats``) against the disk's bound for that mix, ``max(read
+  / read bandwidth, write / write bandwidth, (read + write) / both-at-once bandwidth)`` with
+  each byte read and written once: the share of the disk's bandwidth the step reaches; and the
+  same step in memory, the step's time over ``max(in memory, disk bound)`` (compact state is
+  compute-bound on few threads, so its step may be the CPU's, not the disk's);
 - **exact**: exact-mode calls (``forward_backward(..., optimizer=opt)``) on the CPU device with
   the state on the disk against the same calls in memory (the compute, with its in-memory
   step) and the disk's time for the call's bytes: the call's time over
@@ -43,6 +44,7 @@ import time
 import torch
 from torch import nn
 
+from ..disk import store_of
 from . import Figure, MIN_REPEATS, interleave, positive_int, repeats_arg, write_json
 
 # (name, optimizer class, kwargs, model dtype, optimizer copies' dtype)
@@ -154,44 +156,55 @@ def _build(name, cls_name, kw, dtype, optim_dtype, hidden, layers, folder):
 
 def step_rows(folder: str, hidden: int, layers: int, repeats: int, bw: dict,
               names: list) -> dict:
-    """Per configuration: the synchronous step's seconds, bytes read and written, and the share
-    of the disk's bound it reaches, interleaved over ``repeats`` rounds."""
+    """Per configuration, the synchronous step (``model.step(opt)`` after a call, the disk's
+    reads ahead dropped first so that the step reads all it steps) on the disk and the same
+    step in memory, interleaved over ``repeats`` rounds: seconds, bytes read and written, the
+    share of the disk's bound reached, and the step's time over max(in memory, disk bound)."""
     x = torch.randn(2, hidden)
     lf = lambda o: o.float().square().mean()  # noqa: E731
     runs, built, params = {}, [], {}
     for name, cls_name, kw, dtype, odt in CONFIGS:
         if name not in names:
             continue
-        model, opt = _build(name, cls_name, kw, dtype, odt, hidden, layers,
-                            os.path.join(folder, name.replace(" ", "_").replace("+", "")))
-        built.append((model, opt))
-        params[name] = sum(p.numel() for p in model.optim_parameters())
-        xin = x.to(dtype)
-        for _ in range(2):  # state created, the read-ahead order learned
-            model.forward_backward(input_args=(xin,), loss_fn=lf)
-            model.step(opt)
+        for where in ("disk", "memory"):
+            d = (os.path.join(folder, name.replace(" ", "_").replace("+", ""))
+                 if where == "disk" else None)
+            model, opt = _build(name, cls_name, kw, dtype, odt, hidden, layers, d)
+            built.append((model, opt))
+            params[name] = sum(p.numel() for p in model.optim_parameters())
+            xin = x.to(dtype)
+            for _ in range(2):  # state created, the read-ahead order learned
+                model.forward_backward(input_args=(xin,), loss_fn=lf)
+                model.step(opt)
 
-        def run(model=model, opt=opt, xin=xin):
-            model.forward_backward(input_args=(xin,), loss_fn=lf)
-            model.synchronize()
-            model.pipeline_stats(reset=True)
-            start = time.perf_counter()
-            model.step(opt)
-            t = time.perf_counter() - start
-            s = model.pipeline_stats()
-            return t, s["disk_read_bytes"], s["disk_write_bytes"]
-        runs[name] = run
+            def run(model=model, opt=opt, xin=xin):
+                model.forward_backward(input_args=(xin,), loss_fn=lf)
+                model.synchronize()
+                store = store_of(next(model.optim_parameters()))
+                if store is not None:
+                    store.settle()
+                model.pipeline_stats(reset=True)
+                start = time.perf_counter()
+                model.step(opt)
+                t = time.perf_counter() - start
+                s = model.pipeline_stats()
+                return t, s["disk_read_bytes"], s["disk_write_bytes"]
+            runs[f"{name}/{where}"] = run
     got = interleave(runs, repeats)
     out = {}
-    for name, rows in got.items():
-        secs = [t for t, _, _ in rows]
-        share = [disk_seconds(r, w, bw) / t for t, r, w in rows]
-        out[name] = {"seconds": Figure.of(secs).as_dict(),
+    for name in dict.fromkeys(k.split("/")[0] for k in got):
+        rows, mem = got[f"{name}/disk"], [t for t, _, _ in got[f"{name}/memory"]]
+        bound = [disk_seconds(w, w, bw) for _, _, w in rows]  # each byte read and written once
+        out[name] = {"seconds": Figure.of([t for t, _, _ in rows]).as_dict(),
+                     "memory_seconds": Figure.of(mem).as_dict(),
                      "read_bytes": Figure.of([r for _, r, _ in rows]).as_dict(),
                      "write_bytes": Figure.of([w for _, _, w in rows]).as_dict(),
-                     "bytes_per_param": statistics.fmean((r + w) / params[name]
-                                                         for _, r, w in rows),
-                     "share_of_disk": Figure.of(share).as_dict()}
+                     "bytes_per_param": statistics.fmean(2 * w / params[name]
+                                                         for _, _, w in rows),
+                     "share_of_disk": Figure.of([b / t for b, (t, _, _) in
+                                                 zip(bound, rows)]).as_dict(),
+                     "over_bound": Figure.of([t / max(m, b) for (t, _, _), m, b in
+                                              zip(rows, mem, bound)]).as_dict()}
     del built
     return out
 
@@ -227,10 +240,12 @@ def exact_rows(folder: str, hidden: int, layers: int, tokens: int, repeats: int,
     for key in models:  # state created, read-ahead order learned
         call(key, 16)
         call(key, 16)
-    if tokens is None:  # compute about the disk's time for the step's bytes
-        t_small = min(call("memory", 64)[0] for _ in range(2))
+    if tokens is None:  # compute about the disk's time for the call's bytes: two refinements
         t_disk = disk_seconds(12 * params, 12 * params, bw)
-        tokens = max(16, int(64 * t_disk / max(t_small, 1e-3)))
+        tokens = 64
+        for _ in range(2):
+            t = statistics.median(call("memory", tokens)[0] for _ in range(3))
+            tokens = min(8192, max(16, int(tokens * t_disk / max(t, 1e-3))))
     got = interleave({k: (lambda k=k: call(k, tokens)) for k in models}, repeats)
     mem, disk = got["memory"], got["disk"]
     disk_s = [disk_seconds(r, w, bw) for _, r, w in disk]
@@ -250,6 +265,7 @@ _RSS_SCRIPT = r"""
 import json, sys, tempfile, torch
 from torch import nn
 import roundpipe, roundpipe.optim as rpo
+from roundpipe.disk import store_of
 hidden, layers, folder, disk = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 
 def status(key):
@@ -282,16 +298,17 @@ train(model, opt, torch.randn(4, hidden).bfloat16(), 3)
 stats = model.pipeline_stats()
 print(json.dumps({"params": n, "peak": status("VmHWM") - base,
                   "window": stats["disk_window_bytes"],
-                  "window_limit": model._copies.store.limit if disk else 0}))
+                  "window_limit": store_of(next(model.optim_parameters())).limit if disk else 0}))
 """
 
 
-def rss_rows(folder: str, hidden: int, layers: int, repeats: int) -> dict:
-    """Peak RSS over a fresh process's fixed costs, on the disk and in memory, ``repeats``
-    alternating runs."""
-    got: dict = {"disk": [], "memory": []}
+def rss_runs(folder: str, hidden: int, layers: int, repeats: int,
+             kinds: tuple = ("disk", "memory")) -> dict:
+    """Per kind (``"disk"``, ``"memory"``), what ``repeats`` fresh processes measured (run in
+    alternation): parameters, peak RSS over the fixed costs, the window's peak and limit."""
+    got: dict = {k: [] for k in kinds}
     for r in range(repeats):
-        for key in (("disk", "memory") if r % 2 == 0 else ("memory", "disk")):
+        for key in (kinds if r % 2 == 0 else kinds[::-1]):
             d = tempfile.mkdtemp(dir=folder)
             out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(hidden), str(layers),
                                   d, "1" if key == "disk" else "0"],
@@ -300,6 +317,13 @@ def rss_rows(folder: str, hidden: int, layers: int, repeats: int) -> dict:
             if out.returncode != 0:
                 raise RuntimeError(f"the {key} run failed:\n{out.stderr[-2000:]}")
             got[key].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return got
+
+
+def rss_rows(folder: str, hidden: int, layers: int, repeats: int) -> dict:
+    """Peak RSS over a fresh process's fixed costs, on the disk and in memory
+    (:func:`rss_runs`), split into the model copy, the window and the rest."""
+    got = rss_runs(folder, hidden, layers, repeats)
     n = got["disk"][0]["params"]
     model_copy = 2 * n
     disk_peak = [g["peak"] for g in got["disk"]]
@@ -362,13 +386,16 @@ def main(argv=None) -> dict:
         if not args.skip_step:
             rows = step_rows(folder, args.hidden, args.layers, args.repeats, bw, args.configs)
             result["step"] = rows
-            print("\n| configuration | step s | read MB | written MB | B/param | share of the "
-                  "disk's bound |\n|---|---|---|---|---|---|")
+            print("\n| configuration | step s on disk | in memory | read MB | written MB | "
+                  "B/param | share of the disk's bound | / max(memory, disk bound) |\n"
+                  "|---|---|---|---|---|---|---|---|")
             for name, r in rows.items():
                 print(f"| {name} | {Figure.from_dict(r['seconds']).text(3)} | "
+                      f"{Figure.from_dict(r['memory_seconds']).text(3)} | "
                       f"{r['read_bytes']['median'] / 1e6:.1f} | "
                       f"{r['write_bytes']['median'] / 1e6:.1f} | {r['bytes_per_param']:.1f} | "
-                      f"{Figure.from_dict(r['share_of_disk']).text(2)} |")
+                      f"{Figure.from_dict(r['share_of_disk']).text(2)} | "
+                      f"{Figure.from_dict(r['over_bound']).text(2)} |")
         if not args.skip_exact:
             e = exact_rows(folder, args.hidden, args.layers, args.tokens, args.repeats, bw)
             result["exact"] = e
@@ -387,8 +414,10 @@ def main(argv=None) -> dict:
                   f"{_mib(m['peak_disk'])} MiB = model copy {m['model_copy_bytes'] / 2**20:.1f}"
                   f" + window {_mib(m['window_peak'])} + allowance {_mib(m['allowance'])}; in "
                   f"memory {_mib(m['peak_memory'])} MiB")
-        la = result["load_average"]
-        print(f"\nload average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} on {result['cpus']} CPUs")
+        result["load_average_end"] = os.getloadavg()
+        la, lb = result["load_average"], result["load_average_end"]
+        print(f"\nload average (1, 5, 15 min) at the start {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}, "
+              f"at the end {lb[0]:.2f} {lb[1]:.2f} {lb[2]:.2f}, on {result['cpus']} CPUs")
     finally:
         if made:
             shutil.rmtree(folder, ignore_errors=True)
