@@ -514,6 +514,26 @@ def test_the_files_go_at_a_normal_exit_and_with_the_model(tmp_path):
     assert not (tmp_path / "e").exists()
 
 
+def test_a_forked_child_leaves_the_parents_files(tmp_path):
+    """A fork()-ed child (a data loader's worker, say) that closes its copy of the store, as
+    its exit would, removes nothing: the parent trains on."""
+    model = wrap(tmp_path / "d")
+    opt = rpo.AdamW(model.optim_parameters(), lr=1e-2)
+    train(model, opt, "step", range(1))
+    files = sorted(os.listdir(tmp_path / "d" / "rank0"))
+    pid = os.fork()
+    if pid == 0:  # the child: close its copy, exit without pytest's machinery
+        code = 0
+        try:
+            model._copies.store.close()
+        except BaseException:  # noqa: BLE001 - reported through the exit code
+            code = 1
+        os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert sorted(os.listdir(tmp_path / "d" / "rank0")) == files
+    train(model, opt, "step", range(1, 2))
+
+
 def test_what_cannot_stream_is_refused_before_anything_changes(tmp_path):
     model = wrap(tmp_path / "d")
     opt = rpo.AdamW(model.optim_parameters(), lr=1e-2)

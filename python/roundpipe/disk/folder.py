@@ -83,6 +83,7 @@ class Folder:
                             f"{type(base).__name__}")
         base = os.path.abspath(os.fspath(base))
         self.base, self.path, self.sys = base, os.path.join(base, f"rank{rank}"), sys
+        self.pid = os.getpid()  # a fork()-ed child's copy never removes the files
         self._made = [d for d in (base, self.path) if not os.path.isdir(d)]
         try:
             os.makedirs(self.path, exist_ok=True)
@@ -181,8 +182,9 @@ class Folder:
 
     def close(self) -> None:
         """Removes the store's files, the lock and the folders this object created (the
-        caller closed the files)."""
-        if self._lock_fd is None:
+        caller closed the files); nothing in a ``fork()``-ed child, whose copy this is (the
+        parent still uses them)."""
+        if self._lock_fd is None or os.getpid() != self.pid:
             return
         for n in os.listdir(self.path):
             if _ours(n) and n != LOCK:

@@ -374,11 +374,6 @@ class StateStore:
         start = time.perf_counter()
         with self._cv:
             fresh = [s for s in slots if s.state != PINNED]
-            for s in slots:
-                if s.state == PINNED:
-                    s.pins += 1
-                    if write:
-                        s.batch.dirty = True
             size = sum(s.size for s in slots)
             batches = []
             if fresh:
@@ -421,6 +416,12 @@ class StateStore:
                 batch.dirty = write
                 batches.append(batch)
                 self._read_ahead(key)
+            taken = {id(s) for s in fresh}
+            for s in slots:  # held by an enclosing acquire: one more pin
+                if id(s) not in taken:
+                    s.pins += 1
+                    if write:
+                        s.batch.dirty = True
         self.stats["wait_s"] += time.perf_counter() - start
         return slots
 
@@ -716,6 +717,9 @@ class StateStore:
         when the RoundPipe is deleted). Tensors still alive keep the values they had (the
         mappings live on until they are freed) but can no longer be stepped."""
         if self.closed:
+            return
+        if os.getpid() != self.folder.pid:  # a fork()-ed child's copy: the parent's files
+            self.closed = True
             return
         try:
             self.flush()
