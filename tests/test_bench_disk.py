@@ -16,7 +16,7 @@ def test_the_disk_benchmark_runs_and_writes_its_json(tmp_path):
     out = tmp_path / "disk.json"
     r = subprocess.run(
         [sys.executable, "-m", "roundpipe.bench", "disk", "--disk-mib", "8", "--hidden", "64",
-         "--layers", "2", "--tokens", "8", "--configs", "fp32 AdamW", "int8 state",
+         "--layers", "2", "--tokens", "8", "--exact-hidden", "64", "--configs", "fp32 AdamW", "int8 state",
          "--skip-rss", "--json", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]

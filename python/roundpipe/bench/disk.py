@@ -361,6 +361,9 @@ def main(argv=None) -> dict:
                    help="MLP blocks (hidden -> 4 hidden -> hidden) of the step and exact rows")
     p.add_argument("--tokens", type=positive_int, default=None,
                    help="rows per exact-mode call (default: compute about the disk's time)")
+    p.add_argument("--exact-hidden", type=positive_int, default=1024,
+                   help="width of the exact-mode rows' model (--layers blocks): wide, so that "
+                        "its bytes take the disk about as long as a few rows take to compute")
     p.add_argument("--configs", nargs="+", default=[c[0] for c in CONFIGS],
                    choices=[c[0] for c in CONFIGS], metavar="NAME")
     p.add_argument("--rss-hidden", type=positive_int, default=512)
@@ -397,7 +400,8 @@ def main(argv=None) -> dict:
                       f"{Figure.from_dict(r['share_of_disk']).text(2)} | "
                       f"{Figure.from_dict(r['over_bound']).text(2)} |")
         if not args.skip_exact:
-            e = exact_rows(folder, args.hidden, args.layers, args.tokens, args.repeats, bw)
+            e = exact_rows(folder, args.exact_hidden, args.layers, args.tokens, args.repeats,
+                           bw)
             result["exact"] = e
             print(f"\nexact mode, {e['params'] / 1e6:.1f}M parameters, {e['tokens']} rows per "
                   f"call: in memory {Figure.from_dict(e['memory_s']).text(2)} s, the disk's "

@@ -164,7 +164,6 @@ class StateStore:
         self._used = 0                        # bytes of buffers in batches
         self._free: dict[int, list] = {}      # size -> idle buffers
         self._pooled = 0
-        self._batches: set[int] = set()       # ids of batches alive (read ahead, pinned, writing)
         self._ahead: dict[tuple, Batch] = {}  # key -> batch read ahead
         self._next: dict[tuple, tuple] = {}   # key -> the key acquired after it last time
         self._units: dict[tuple, list] = {}   # key -> its slots (weak)
@@ -279,7 +278,9 @@ class StateStore:
     def empty(self, shape: Sequence[int], dtype: torch.dtype, label: str,
               extent: Optional[Extent] = None) -> torch.Tensor:
         """A new tensor held here (its values: zeros, in the file), e.g. for a checkpoint to
-        load into through the mapping."""
+        load into through the mapping; one without elements is not (nothing to keep)."""
+        if math.prod(shape) == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
         slot, = self.slots([(tuple(shape), dtype, label, 0)], extent)
         t = torch.empty(0, dtype=dtype)
         self.bind(t, slot, fill=False)
@@ -375,7 +376,6 @@ class StateStore:
         with self._cv:
             fresh = [s for s in slots if s.state != PINNED]
             size = sum(s.size for s in slots)
-            batches = []
             if fresh:
                 key = tuple(sorted(id(s) for s in fresh))
                 self.stats["acquires"] += 1
@@ -414,7 +414,6 @@ class StateStore:
                     if t is not None:
                         t.data = self._view(batch, s)
                 batch.dirty = write
-                batches.append(batch)
                 self._read_ahead(key)
             taken = {id(s) for s in fresh}
             for s in slots:  # held by an enclosing acquire: one more pin
@@ -503,7 +502,6 @@ class StateStore:
         if buffer is None:
             return None
         batch.buffer = buffer
-        self._batches.add(id(batch))
         for s in slots:
             s.state, s.batch = LOADING, batch
         return batch
@@ -547,7 +545,6 @@ class StateStore:
             self._free.setdefault(batch.size, []).append(batch.buffer)
             self._pooled += batch.size
             batch.buffer = None
-        self._batches.discard(id(batch))
 
     def _view(self, batch: Batch, s: Slot) -> torch.Tensor:
         return torch.frombuffer(batch.buffer, dtype=s.dtype, count=math.prod(s.shape),

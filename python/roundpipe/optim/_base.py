@@ -381,12 +381,7 @@ class CpuOptimizer(Optimizer):
                 compact.store(self._memory, p, p_state, key, values, self._int8_signed)
         store = self._store((p,))
         if store is not None:  # kept in files: what is not there yet moves there
-            new = [(v, f"{store.name(p)}: {k}") for k, v in p_state.items()
-                   if torch.is_tensor(v) and v.dim() > 0 and not store.holds(v)]
-            if new:
-                room = self._disk
-                store.adopt([t for t, _ in new], [n for _, n in new],
-                            room.extent if room.store is store else None)
+            self._to_disk(store, [(p, p_state)])
 
     def empty_state(self, requests: Sequence[tuple]) -> list[torch.Tensor]:
         """For each ``(p, shape, dtype)`` of ``requests``, an uninitialised tensor to load a
@@ -747,7 +742,7 @@ class CpuOptimizer(Optimizer):
                                                 f"{type(self).__name__}")
             room.store = store
         tensors: list = []
-        new: list = []
+        new: list = []  # (param, its state) whose state the store keeps
         for group, params in work:
             active = self._active_state_keys(group)
             pstates = [self.state[p] for p in params]
@@ -762,14 +757,22 @@ class CpuOptimizer(Optimizer):
                         self._init_state(group, p, st)
             for p, st in zip(params, pstates):
                 tensors.append(p)
-                for k, v in st.items():
-                    if torch.is_tensor(v) and v.dim() > 0:
-                        tensors.append(v)
-                        if store_of(p) is store and not store.holds(v):
-                            new.append((v, f"{store.name(p)}: {k}"))
-        if new:
-            store.adopt([t for t, _ in new], [n for _, n in new], room.extent)
+                tensors += [v for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+                if store_of(p) is store:
+                    new.append((p, st))
+        self._to_disk(store, new)
         return tensors
+
+    def _to_disk(self, store: StateStore, states: list[tuple]) -> None:
+        """Every per-element state tensor of each ``(p, p_state)`` of ``states`` that ``store``
+        does not hold yet moves into its files (carved from this optimizer's reserved file
+        while it has room)."""
+        new = [(v, f"{store.name(p)}: {k}") for p, st in states for k, v in st.items()
+               if torch.is_tensor(v) and v.dim() > 0 and not store.holds(v)]
+        if new:
+            room = self._disk
+            store.adopt([t for t, _ in new], [n for _, n in new],
+                        room.extent if room.store is store else None)
 
     @torch.no_grad()
     def fused_step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
