@@ -90,13 +90,25 @@ class Folder:
         except OSError as e:
             raise StateDiskError(e.errno, f"RoundPipe optimizer_dir {base!r}: cannot create "
                                           f"{self.path!r}: {e.strerror}") from e
-        self._lock_fd = self._lock()
-        self.fs = fs_type(self.path)
-        self.direct = self._direct_ok()
+        self._lock_fd = None
+        try:
+            self._lock_fd = self._lock()
+            self.fs = fs_type(self.path)
+            self.direct = self._direct_ok()
+        except BaseException:
+            if self._lock_fd is not None:
+                self.close()
+            else:
+                self._remove_made()
+            raise
 
     def _lock(self) -> int:
         path = os.path.join(self.path, LOCK)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise StateDiskError(e.errno, f"RoundPipe optimizer_dir {self.path!r}: cannot "
+                                          f"create {path!r}: {e.strerror}") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -198,6 +210,10 @@ class Folder:
             pass
         os.close(self._lock_fd)
         self._lock_fd = None
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        """The folders this object created, if empty (innermost first)."""
         for d in reversed(self._made):
             try:
                 os.rmdir(d)
