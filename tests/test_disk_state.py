@@ -198,6 +198,32 @@ def test_clipping_and_a_loss_scaler_step_the_same_on_disk(tmp_path, mode):
     assert_identical(snapshot(model, opt), ram)
 
 
+def test_the_optimizers_own_step_streams_too(tmp_path):
+    """``opt.step()`` over optimizer copies on a disk (what a step function would call; the
+    wrapper refuses step functions with ``optimizer_dir``, so it is reached here inside the
+    wrapper's own step context): each param group through the window, as in memory."""
+    from roundpipe import guards
+
+    got = []
+    for folder in (None, tmp_path / "d"):
+        model = wrap(folder)
+        named = list(model.optim_named_parameters())
+        opt = rpo.Adam([{"params": [o for n, o in named if n.endswith("weight")]},
+                        {"params": [o for n, o in named if n.endswith("bias")], "lr": 0.1}],
+                       lr=1e-2, amsgrad=True)
+        g = torch.Generator().manual_seed(0)
+        for step in range(2):
+            for _, o in named:
+                o.grad = torch.randn(o.shape, generator=g)
+            with guards.inside_step(model._steps):
+                opt.step()
+        got.append(({n: o.detach().clone() for n, o in named}, copy.deepcopy(opt.state_dict())))
+        if folder is not None:
+            assert_on_disk(model, opt)
+        del model, opt
+    assert_identical(got[1], got[0])
+
+
 def test_the_window_stays_bounded_when_the_state_is_many_times_larger(tmp_path, monkeypatch):
     """16 layers of 256 x 256 (fp32 AdamW: 12 bytes per weight on disk): the state is >= 4x the
     window. Every window buffer is counted where it is allocated (the store's only host memory

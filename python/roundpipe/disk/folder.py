@@ -198,7 +198,11 @@ class Folder:
         parent still uses them)."""
         if self._lock_fd is None or os.getpid() != self.pid:
             return
-        for n in os.listdir(self.path):
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:  # removed by someone else meanwhile
+            names = []
+        for n in names:
             if _ours(n) and n != LOCK:
                 try:
                     os.unlink(os.path.join(self.path, n))
