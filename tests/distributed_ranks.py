@@ -6,7 +6,9 @@ would: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment).
 Cases: ``train`` (every mode — ``step``, ``async``, ``exact``, ``+clip`` with a loss scaler,
 ``+one`` with one copy of the weights, ``+data`` replacing every parameter's ``.data`` with
 an equal clone after the first step — replicated and sharded, results saved per mode),
-``save`` (train, then a DCP checkpoint), ``save_int8`` (the same with int8 optimizer state,
+``disk`` (each mode, replicated and sharded, with and without ``optimizer_dir``: whether
+the results are identical and which files the rank's folder held), ``save`` (train, then a
+DCP checkpoint), ``save_int8`` (the same with int8 optimizer state,
 sharded), ``adafactor_sharded`` (Adafactor refused with sharded copies), ``resume`` (load a
 DCP checkpoint, train on), ``fail`` (rank 1 raises in the second step, in its loss_fn or in
 a layer's backward, in every mode, replicated and sharded: each rank records when and what it
@@ -77,16 +79,17 @@ def train(model, opt, mode: str, steps: range, rank: int, world: int, scaler=Non
     model.synchronize()
 
 
-def wrap(shard: bool, seed_rank: int, one_copy: bool = False):
+def wrap(shard: bool, seed_rank: int, one_copy: bool = False, optimizer_dir=None):
     """The model wrapped for this rank; ``one_copy``: optim_dtype is the model's (float32), so
-    the optimizer steps the model copy itself."""
+    the optimizer steps the model copy itself; ``optimizer_dir``: the optimizer state on a
+    disk."""
     torch.manual_seed(1000 + seed_rank)  # every rank starts elsewhere: the broadcast fixes it
     net = nn.Sequential(nn.Linear(8, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 6))
     if seed_rank == 0:
         net.load_state_dict(build().state_dict())
     model = roundpipe.RoundPipe(net, torch.float32 if one_copy else None,
                                 process_group=dist.group.WORLD, shard_optimizer=shard,
-                                num_microbatch=2)
+                                num_microbatch=2, optimizer_dir=optimizer_dir)
     return model, rpo.AdamW(model.optim_parameters(), lr=LR, eps=1e-3)
 
 
@@ -265,6 +268,26 @@ def main() -> None:
                 with open(f"{out}/{mode}-{int(shard)}-counts-{rank}.json", "w") as f:
                     json.dump({"state_elements": counts,
                                "grad_norm": model.last_step_stats().grad_norm}, f)
+    elif case == "disk":  # the optimizer state on a disk, each rank in its own folder
+        report = {}
+        for shard in (False, True):
+            for mode in ("step", "exact"):
+                got = []
+                for folder in (None, f"{out}/disk"):
+                    model, opt = wrap(shard, rank, optimizer_dir=folder)
+                    train(model, opt, mode, range(STEPS), rank, world)
+                    files = sorted(os.listdir(f"{out}/disk/rank{rank}")) if folder else []
+                    got.append((model.state_dict(), opt.state_dict(), files))
+                    del model, opt
+                    gc.collect()
+                (sd, osd, _), (dsd, dosd, files) = got
+                same = all(torch.equal(sd[k], dsd[k]) for k in sd) and all(
+                    torch.equal(v, dosd["state"][i][k]) for i, st in osd["state"].items()
+                    for k, v in st.items())
+                report[f"{mode}-{int(shard)}"] = {"same": same, "files": files}
+        report["removed"] = not os.path.exists(f"{out}/disk/rank{rank}")
+        with open(f"{out}/disk-{rank}.json", "w") as f:
+            json.dump(report, f)
     elif case == "save":
         model, opt = wrap(True, rank)
         train(model, opt, "step", range(3), rank, world)

@@ -262,3 +262,17 @@ def test_automatic_plans_are_the_same_on_every_rank(tmp_path, mode):
     assert runs[0]["revisions"] >= 1
     assert len(runs[0]["plans"][-1]) > 1  # rank 1's device cannot hold one stage of 5 layers
     _close(torch.load(tmp_path / f"auto-{mode}.pt"), reference(mode))
+
+
+def test_each_rank_keeps_its_optimizer_state_in_its_own_folder_on_disk(tmp_path):
+    """optimizer_dir shared by 2 ranks: each rank's own subfolder (rank0, rank1) holds its
+    files (sharded: its rows only), every mode trains bit for bit as without a disk, and the
+    folders go with the models."""
+    for rc, err in launch("disk", 2, tmp_path):
+        assert rc == 0, err[-3000:]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"disk-{rank}.json").read_text())
+        assert report.pop("removed")
+        for key, r in report.items():
+            assert r["same"], (rank, key)
+            assert "LOCK" in r["files"] and any(f.endswith(".bin") for f in r["files"]), r

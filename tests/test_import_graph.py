@@ -24,7 +24,8 @@ LAYERS = [
     ["roundpipe._C", "roundpipe.host_buffers", "roundpipe.stats", "roundpipe.threads",
      "roundpipe.plan", "roundpipe.context", "roundpipe.guards", "roundpipe.recompute",
      "roundpipe.microbatch", "roundpipe.clipping", "roundpipe.grad_scaler", "roundpipe.quant",
-     "roundpipe.torch_private", "roundpipe.known_warnings", "roundpipe.fused_dequant"],
+     "roundpipe.torch_private", "roundpipe.known_warnings", "roundpipe.fused_dequant",
+     "roundpipe.disk"],
     ["roundpipe.optim"],                    # the optimizers: usable without the wrapper
     ["roundpipe.transfer"],                 # moving tensors to a device and back
     ["roundpipe.pipeline"],                 # the schedule, stages, passes
@@ -159,8 +160,9 @@ def test_the_cycle_finder_finds_cycles(graph, expected):
 
 def test_the_optimizers_import_only_the_extension_and_host_buffers():
     """What ``import roundpipe.optim`` reaches, statically: the optimizers, the C++ extension,
-    the host buffers and torch_private (torch's private API, importing only torch; see
-    test_packaging for the modules a fresh interpreter loads)."""
+    the host buffers, torch_private (torch's private API, importing only torch; see
+    test_packaging for the modules a fresh interpreter loads) and roundpipe.disk (optimizer
+    state kept in files: the standard library and torch only)."""
     reached, todo = set(), ["roundpipe.optim"]
     while todo:
         m = todo.pop()
@@ -169,15 +171,16 @@ def test_the_optimizers_import_only_the_extension_and_host_buffers():
             todo.extend(GRAPH.get(m, ()))
     outside = sorted(m for m in reached if not m.startswith("roundpipe.optim")
                      and m not in ("roundpipe._C", "roundpipe.host_buffers",
-                                   "roundpipe.torch_private"))
+                                   "roundpipe.torch_private")
+                     and not m.startswith("roundpipe.disk"))
     assert not outside, outside
 
 
 def test_import_roundpipe_optim_loads_only_the_optimizers():
     """What a fresh interpreter loads for ``import roundpipe.optim``: the package face (with
-    its warning filters, known_warnings), the C++ extension, the host buffers, torch_private
-    and the optimizers, nothing else of roundpipe (no wrapper, pipeline, Hugging Face or
-    checkpoint module)."""
+    its warning filters, known_warnings), the C++ extension, the host buffers, torch_private,
+    roundpipe.disk (state kept in files) and the optimizers, nothing else of roundpipe (no
+    wrapper, pipeline, Hugging Face or checkpoint module)."""
     import subprocess
     import sys
 
@@ -189,5 +192,5 @@ def test_import_roundpipe_optim_loads_only_the_optimizers():
     assert "roundpipe.optim.adam" in loaded
     others = [m for m in loaded if m not in ("roundpipe", "roundpipe._C", "roundpipe.host_buffers",
                                              "roundpipe.torch_private", "roundpipe.known_warnings")
-              and not m.startswith("roundpipe.optim")]
+              and not m.startswith(("roundpipe.optim", "roundpipe.disk"))]
     assert not others, others

@@ -2,7 +2,9 @@
 config with ``from_config`` on the meta device: no memory, exact shapes): parameters, a decoder
 layer's parameters and linear weights, LoRA's adapters, and the host bytes that follow from them
 (the persistent floor per trainable parameter, the NF4 base's 0.5625 bytes per frozen linear
-weight); configs read from a folder; the command and docs/sizing.md's table.
+weight); the state on a disk (host RAM: the model copy and three stages' worth of optimizer
+copies and state; the rest of the floor on the disk, read and written once per step); configs
+read from a folder; the command and docs/sizing.md's tables.
 
 The host bytes per parameter are held to the memory ladder's measurement in
 tests/test_memory_ladder.py. The device bound cannot be measured here (no GPU): it is the
@@ -173,3 +175,42 @@ def test_the_long_sequence_docs_table_is_the_commands():
     """docs/sizing.md's long-sequence table is what ``--docs-long-table`` prints."""
     assert sizing.long_table() in DOCS.read_text(), (
         "docs/sizing.md is stale: paste `python -m roundpipe.sizing --docs-long-table` into it")
+
+
+def test_the_state_on_a_disk_leaves_the_model_copy_and_a_window_of_three_stages():
+    """llama3-8b with ``--disk``: each full fine-tuning configuration again with its optimizer
+    copies and state on the disk. Host RAM: the bf16 model copy and the window, the largest
+    sum of three consecutive stages in exact mode's order (lm_head, the decoder layers from the
+    last, the embeddings, then lm_head again); the disk: the floor without the model copy; the
+    step reads and writes it once at --disk-gbps."""
+    name = "llama3-8b"
+    model = meta_model(sizing.BUILTIN[name][1])
+    total = numel(model.parameters())
+    head = model.lm_head.weight.numel() + model.model.norm.weight.numel()
+    layer = numel(model.model.layers[0].parameters())
+    embed = model.model.embed_tokens.weight.numel()
+    machine = sizing.Machine(host_bytes=64 * 2**30, disk_bytes=2 * 2**40, disk_gbps=7.0)
+    w = sizing.Workload(batch=32, seq=2048, microbatches=16, accumulation=1)
+    g, estimates = sizing.size(name, machine, w)
+    on_disk = {e.method.name: e for e in estimates if e.method.on_disk}
+    assert set(on_disk) == {c + ", state on disk" for c in ("fp32 AdamW", "bf16 state",
+                                                              "int8 state",
+                                                              "bf16 master + int8 state")}
+    in_memory = {e.method.name: e for e in estimates}
+    for disk_name, e in on_disk.items():
+        ram = in_memory[disk_name.split(",")[0]]
+        per_param = ram.method.floor - 2            # all but the bf16 model copy
+        assert e.disk == pytest.approx(per_param * total, rel=1e-12)
+        assert e.host["model copy"] == 2 * total
+        assert "model + optimizer copies + state" not in e.host
+        window = per_param * max(layer + embed + head, 2 * layer + embed, head + 2 * layer)
+        assert e.host["optimizer window (3 stages)"] == pytest.approx(window, rel=1e-12)
+        assert e.host_total == pytest.approx(ram.host_total - ram.method.floor * total
+                                             + 2 * total + window, rel=1e-12)
+        assert e.seconds["disk"] == pytest.approx(2 * per_param * total / 7e9, rel=1e-12)
+        assert e.fits_disk and e.fits_host     # 64 GiB, 2 TiB
+    assert not in_memory["fp32 AdamW"].fits_host
+    # docs/sizing.md shows this command's output
+    assert sizing.report(g, estimates) in DOCS.read_text(), (
+        "docs/sizing.md is stale: paste `python -m roundpipe.sizing llama3-8b --gpu 24GB --host "
+        "64GB --disk 2TB --disk-gbps 7 --batch 32 --microbatches 16 --accumulation 1` into it")

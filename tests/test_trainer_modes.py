@@ -8,11 +8,15 @@ tests/test_trainer.py), continued:
   Trainer's (one step stale by design);
 - fp16 with an injected overflow skips the same step as Trainer with torch's GradScaler (the
   scheduler held back the same way; 10 steps); a resumed fp16 run gets the grad scaler's state
-  back from the checkpoint.
+  back from the checkpoint;
+- the optimizer state on a disk (``roundpipe_kwargs={"optimizer_dir": ...}``, bf16 model copy
+  with fp32 optimizer copies) logs and trains bit for bit as in memory, and resumes from its
+  checkpoint as the uninterrupted run.
 """
 
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -285,3 +289,34 @@ def test_mixed_precision_starts_the_optimizer_copies_at_the_users_weights(tmp_pa
         assert torch.equal(copy, before[name]), name
     # the rounding would have changed them: the test tells the two apart
     assert not all(torch.equal(before[n].to(dtype).float(), before[n]) for n in copies)
+
+
+@pytest.mark.parametrize("mode", ["sync", "exact"])
+def test_the_optimizer_state_on_a_disk_is_one_argument_and_changes_nothing(tmp_path, mode):
+    """One argument, ``optimizer_dir``: the logs (loss, grad_norm, learning rate) and the final
+    weights are those of the same run in memory, bit for bit; a run resumed from its step-5
+    checkpoint ends where the uninterrupted one did."""
+    common = dict(max_steps=10, eval_strategy="no", bf16=True, save_strategy="steps",
+                  save_steps=5)
+    ram = run_ours("llama", tmp_path / "ram", {"step_mode": mode}, **common)
+    disk = run_ours("llama", tmp_path / "disk", {"step_mode": mode,
+                                                  "optimizer_dir": str(tmp_path / "state")},
+                    **common)
+    assert os.listdir(tmp_path / "state" / "rank0")  # the state is there while it lives
+    ram_logs, disk_logs = (tc.train_logs(t.state.log_history) for t in (ram, disk))
+    assert [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in disk_logs] == \
+        [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in ram_logs]
+    want = ram.model.state_dict()
+    for name, t in disk.model.state_dict().items():
+        assert torch.equal(t, want[name]), name
+    resumed = run_ours("llama", tmp_path / "resumed", {"step_mode": mode,
+                                                       "optimizer_dir": str(tmp_path / "s2")},
+                       resume=str(tmp_path / "disk" / "checkpoint-5"), **common)
+    for name, t in resumed.model.state_dict().items():
+        assert torch.equal(t, want[name]), name
+    # the checkpoint's optimizer.pt holds no state (that would need it whole in memory): a
+    # torch optimizer, what plain Trainer resumes, refuses it instead of starting afresh
+    saved = torch.load(tmp_path / "disk" / "checkpoint-5" / "optimizer.pt")
+    assert "optimizer_dir" in saved["param_groups"][0]["roundpipe"]
+    with pytest.raises(ValueError, match="parameter group"):
+        torch.optim.AdamW(tc.make_model("llama").parameters()).load_state_dict(saved)

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 
+from .disk import store_of
 from .optim import CpuOptimizer
 from .quant import frozen_base_keys
 
@@ -83,6 +84,8 @@ def _state(model, optimizer, mesh, template_keys: Optional[dict] = None) -> dict
             sd["model"][name] = t.data
     if optimizer is not None:
         state, groups = {}, []
+        templates = None if template_keys is None else _templates(optimizer, params,
+                                                                    template_keys)
         for g in optimizer.param_groups:
             entry = {k: v for k, v in g.items() if k != "params"}
             entry["params"] = [names[index[id(p)]] for p in g["params"]]
@@ -94,14 +97,35 @@ def _state(model, optimizer, mesh, template_keys: Optional[dict] = None) -> dict
                     if params.rows[i] is not None:
                         st = _portable(optimizer, st)
                 else:  # loading: a tensor for every entry of the checkpoint, as it was saved
-                    st = {key: torch.empty(p.shape if shape == "param" else shape, dtype=dtype)
-                          for key, (shape, dtype) in template_keys.get(names[i], {}).items()}
+                    st = templates.get(names[i], {})
                 state[names[i]] = {k: (_wrap(params, i, v, mesh) if torch.is_tensor(v)
                                        and v.shape == p.shape and v.dim() > 0 else v)
                                    for k, v in st.items()}
         sd["optimizer"] = {"state": state, "param_groups": _blob(groups),
                            "info": _blob(_info(optimizer))}
     return sd
+
+
+def _templates(optimizer: torch.optim.Optimizer, params: _Params, template_keys: dict) -> dict:
+    """Per parameter name, per state key of the checkpoint, an empty tensor to load into, as it
+    was saved (shape or "param", dtype): a ``roundpipe.optim`` optimizer makes them
+    (:meth:`~roundpipe.optim.CpuOptimizer.empty_state`: in the files of its state on a disk,
+    so that loading never holds the whole state in host memory)."""
+    requests = []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            name = params.names[params.index[id(p)]]
+            for key, (shape, dtype) in template_keys.get(name, {}).items():
+                requests.append((name, key, p, tuple(p.shape) if shape == "param" else shape,
+                                 dtype))
+    if isinstance(optimizer, CpuOptimizer):
+        made = optimizer.empty_state([(p, shape, dtype) for _, _, p, shape, dtype in requests])
+    else:
+        made = [torch.empty(shape, dtype=dtype) for *_, shape, dtype in requests]
+    out: dict = {}
+    for (name, key, *_), t in zip(requests, made):
+        out.setdefault(name, {})[key] = t
+    return out
 
 
 def _class_name(optimizer: torch.optim.Optimizer) -> str:
@@ -200,6 +224,15 @@ def save_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     with _dcp_quiet():
         dcp.save(sd, storage_writer=writer, process_group=group) if group is not None \
             else dcp.save(sd, storage_writer=writer, no_dist=True)
+    _let_go(model)
+
+
+def _let_go(model) -> None:
+    """With the optimizer state on a disk, what a checkpoint read or wrote through the files'
+    mappings leaves this process's resident set (and written data reaches the disk)."""
+    store = next((s for s in map(store_of, model.optim_parameters()) if s is not None), None)
+    if store is not None:
+        store.sync_files()
 
 
 def _dcp_load(sd: dict, path: str, group) -> None:
@@ -307,4 +340,5 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
                     g[k] = v
         if isinstance(optimizer, CpuOptimizer) and "rounding_calls" in info:
             optimizer.rounding_calls = int(info["rounding_calls"])
+    _let_go(model)
     return _unblob(sd["extra"])

@@ -17,6 +17,7 @@ model copy stays whole.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -119,6 +120,11 @@ class ParamIndex:
         return [i for i in indices if self.rows[i] is not None]
 
 
+def _rows_shape(p: torch.Tensor, part: Optional[tuple[int, int]]) -> tuple:
+    """The shape of the optimizer copy of ``p`` holding rows ``part`` (all: None)."""
+    return tuple(p.shape) if part is None else (part[1] - part[0], *p.shape[1:])
+
+
 class ParamCopies:
     """The copies of one wrapper's trainable parameters (see the module docstring), and the
     state that changes between steps — the accumulated gradients with their known squared
@@ -134,23 +140,28 @@ class ParamCopies:
         optim_dtype: dtype of the optimizer copies (None: a separate copy in each parameter's
             own dtype; a parameter already of ``optim_dtype`` has one copy).
         comm: the process group side (:class:`roundpipe.distributed.Comm`), or None.
+        store: where the optimizer copies and the optimizer state live
+            (:class:`roundpipe.disk.StateStore`, ``optimizer_dir``), or None: host memory.
 
     Attributes:
         model: the model copies (the module's parameters), in :class:`ParamIndex` order.
-        optim: their optimizer copies (``nn.Parameter``; the model copy itself where shared).
+        optim: their optimizer copies (``nn.Parameter``; the model copy itself where shared;
+            with a ``store``, the separate ones view their file between steps).
+        store: the :class:`roundpipe.disk.StateStore`, or None.
         index: the fixed maps (:class:`ParamIndex`).
         pool: recycled host buffers for gradients.
 
     Raises:
         ValueError: a trainable parameter is not floating point.
+        StateDiskError: (with a ``store``) the disk cannot hold the optimizer copies.
     """
 
     def __init__(self, module: nn.Module, layers: list[nn.Module], stages: list[Stage],
-                 optim_dtype: Optional[torch.dtype], comm: Any = None) -> None:
+                 optim_dtype: Optional[torch.dtype], comm: Any = None, store: Any = None) -> None:
         self.module, self.layers, self.stages, self.comm = module, layers, stages, comm
+        self.store = store
         names: list[str] = []
         model: list[nn.Parameter] = []
-        optim: list[nn.Parameter] = []
         rows: list[Optional[tuple[int, int]]] = []  # this rank's rows (None: whole)
         shared: list[bool] = []  # the optimizer copy is (this rank's rows of) the model copy
         for name, p in module.named_parameters():
@@ -160,16 +171,29 @@ class ParamCopies:
                 raise ValueError(f"RoundPipe: trainable parameter {name!r} has dtype {p.dtype}")
             names.append(name)
             model.append(p)
-            part = comm.rows(p.shape) if comm is not None and comm.sharded(p.shape) else None
-            rows.append(part)
+            rows.append(comm.rows(p.shape) if comm is not None and comm.sharded(p.shape) else None)
+            shared.append(p.dtype == optim_dtype)
+        slots = iter(())
+        if store is not None:  # the optimizer copies' files, allocated at once
+            shapes = [(_rows_shape(p, part), optim_dtype or p.dtype, name, 0)
+                      for name, p, part, one in zip(names, model, rows, shared) if not one]
+            if shapes:
+                slots = iter(store.slots(shapes, store.reserve(
+                    [s[:2] for s in shapes], f"the {len(shapes)} optimizer copies")))
+        optim: list[nn.Parameter] = []
+        for name, p, part, one in zip(names, model, rows, shared):
             src = p.detach() if part is None else p.detach()[part[0]:part[1]]
-            one = p.dtype == optim_dtype
-            shared.append(one)
             if one:
                 optim.append(p if part is None else nn.Parameter(src))
+                if store is not None:
+                    store.keep_state_of(optim[-1], name)
             else:
-                copy = host_empty(src.shape, optim_dtype or p.dtype).copy_(src)
-                optim.append(nn.Parameter(copy))
+                copy = nn.Parameter(host_empty(src.shape, optim_dtype or p.dtype).copy_(src))
+                if store is not None:
+                    store.bind(copy, next(slots))  # its values into the file, viewed there
+                optim.append(copy)
+        if store is not None:
+            store.sync_files()
         self.model, self.optim = tuple(model), tuple(optim)
         self._stale: set[int] = set()  # model copies behind their optimizer copies (async step)
         self._start(names, rows, shared)
@@ -194,7 +218,14 @@ class ParamCopies:
 
     def __getstate__(self) -> dict:
         """Pickling keeps the copies and the set of stale model copies; the maps (over object
-        identities), the lock and the gradients are rebuilt or dropped."""
+        identities), the lock and the gradients are rebuilt or dropped.
+
+        Raises:
+            TypeError: the optimizer copies live in files (``optimizer_dir``)."""
+        if self.store is not None:
+            raise TypeError(f"RoundPipe with optimizer_dir={self.store.folder.base!r} cannot be "
+                            "pickled or deep-copied: its optimizer copies and state live in "
+                            "files there; save a checkpoint (roundpipe.save_checkpoint) instead")
         keep = ("module", "layers", "stages", "model", "optim", "_stale")
         state = {k: self.__dict__[k] for k in keep}
         state.update(names=self.index.names, rows=self.index.rows, shared=self.index.shared)
@@ -203,7 +234,7 @@ class ParamCopies:
     def __setstate__(self, state: dict) -> None:
         names, rows, shared = state.pop("names"), state.pop("rows"), state.pop("shared")
         self.__dict__.update(state)
-        self.comm = None
+        self.comm, self.store = None, None
         self._start(names, rows, shared)
 
     @staticmethod
@@ -274,29 +305,64 @@ class ParamCopies:
         rows = self.index.rows[i]
         return self.model[i] if rows is None else self.model[i].data[rows[0]:rows[1]]
 
+    def reading(self, indices: Iterable[int], write: bool = False):
+        """A context in which the optimizer copies ``indices`` hold their values in memory
+        (with a ``store``: read into its window, written back on leaving with ``write``;
+        otherwise they always do)."""
+        if self.store is None:
+            return contextlib.nullcontext()
+        return self.store.acquire([self.optim[i] for i in indices], write=write)
+
+    def by_layer(self, indices: Iterable[int]) -> list[list[int]]:
+        """``indices`` grouped by the layer they belong to (their first), in order: the sets
+        read through a store's window together."""
+        groups: dict[int, list[int]] = {}
+        for i in sorted(indices):
+            layers = self.index.param_layers[i]
+            groups.setdefault(layers[0] if layers else -1, []).append(i)
+        return [groups[k] for k in sorted(groups)]
+
+    def settle(self) -> None:
+        """Before the optimizer copies are written outside a step through their files'
+        mappings (a checkpoint loaded in place): with a store, its writes have ended and
+        nothing read ahead is kept."""
+        if self.store is not None:
+            self.store.settle()
+
     def refresh_from_model(self) -> None:
         """A model copy changed behind the wrapper's back (e.g. ``load_state_dict`` on the
         wrapped model after wrapping): its optimizer copy takes its value, so the next step
         trains what was loaded. Only called while no optimizer work is pending."""
         rows, shared = self.index.rows, self.index.shared
+        changed = [i for i, p in enumerate(self.model) if self.version(p) != self._synced[i]]
+        if not changed:
+            return
         with torch.no_grad():
-            for i, p in enumerate(self.model):
-                if self.version(p) != self._synced[i]:
-                    if not shared[i]:
+            for i in changed:
+                if not shared[i]:
+                    with self.reading([i], write=True):
                         self.optim[i].copy_(self.model_rows(i))
-                    elif rows[i] is not None and self.optim[i].data_ptr() != \
-                            self.model_rows(i).data_ptr():  # .data replaced: view the new rows
-                        self.optim[i].data = self.model_rows(i)
-                    self._synced[i] = self.version(p)
+                elif rows[i] is not None and self.optim[i].data_ptr() != \
+                        self.model_rows(i).data_ptr():  # .data replaced: view the new rows
+                    self.optim[i].data = self.model_rows(i)
+                self._synced[i] = self.version(self.model[i])
 
     def write_back(self, i: int) -> None:
         """Model copy ``i`` takes its optimizer copy's value, rounded to the model dtype (its
         rows of it when sharded: the caller all-gathers the rest); nothing to copy when they
         are one."""
         if not self.index.shared[i]:
-            with torch.no_grad():
+            with torch.no_grad(), self.reading([i]):
                 self.model_rows(i).copy_(self.optim[i])
         self._synced[i] = self.version(self.model[i])
+
+    def write_back_many(self, indices: list[int]) -> None:
+        """:meth:`write_back` of each of ``indices``, read together (one set of a store's
+        window, layer by layer)."""
+        for part in self.by_layer(indices) if self.store is not None else [indices]:
+            with self.reading([i for i in part if not self.index.shared[i]]):
+                for i in part:
+                    self.write_back(i)
 
     def mark_synced(self, i: int) -> None:
         """Model copy ``i`` was just written from its optimizer copy (by a fused step)."""
@@ -307,8 +373,7 @@ class ParamCopies:
         (sharded: this rank's rows, then every rank's rows all-gathered)."""
         with self.lock:
             todo, self._stale = sorted(self._stale), set()
-        for i in todo:
-            self.write_back(i)
+        self.write_back_many(todo)
         if self.comm is not None:
             self.comm.all_gather_rows([self.model[i] for i in self.index.sharded(todo)])
 
@@ -318,8 +383,10 @@ class ParamCopies:
         loaded in place from a checkpoint. Only called while no optimizer work is pending."""
         with self.lock:
             self._stale = set()
-        for i in range(len(self.model)):
-            self.write_back(i)
+        self.settle()  # e.g. loaded into the files through their mappings: nothing read before
+        self.write_back_many(list(range(len(self.model))))
+        if self.store is not None:
+            self.store.sync_files()  # what was written through the mappings: on the disk
         if self.comm is not None:
             self.comm.all_gather_rows([self.model[i]
                                        for i in self.index.sharded(range(len(self.model)))])
@@ -410,6 +477,8 @@ class ParamCopies:
     def state_dict(self, sd: dict, prefix: str, keep_vars: bool) -> dict:
         """``sd`` (the module's state dict) with every name of a trainable parameter (tied ones
         included) holding its optimizer copy."""
+        if self.store is not None:
+            self.store.wait_writes()
         full = {}
         for i in self.index.sharded(range(len(self.model))):  # collective: every rank calls it
             full[i] = self.comm.gather_rows(self.optim[i].detach(), self.model[i].shape)
@@ -432,10 +501,12 @@ class ParamCopies:
             if i is not None and name in state_dict:
                 last[i] = name
         with torch.no_grad():
-            for i, name in last.items():
-                if self.index.shared[i]:
-                    continue  # the module loaded it
-                value, rows = state_dict[name], self.index.rows[i]
-                self.optim[i].copy_(value if rows is None else value[rows[0]:rows[1]])
+            for part in self.by_layer(last):
+                with self.reading([i for i in part if not self.index.shared[i]], write=True):
+                    for i in part:
+                        if self.index.shared[i]:
+                            continue  # the module loaded it
+                        value, rows = state_dict[last[i]], self.index.rows[i]
+                        self.optim[i].copy_(value if rows is None else value[rows[0]:rows[1]])
         for i, p in enumerate(self.model):
             self._synced[i] = self.version(p)

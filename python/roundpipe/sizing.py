@@ -44,6 +44,16 @@ This is the bound the pipeline is built to keep (docs/overlap.md), not a measure
 first run on a GPU (an H200) held more than it, and no 24 GB card has been measured; read it as
 what a model needs, not a guarantee.
 
+**State on a disk** (``--disk SIZE``, ``RoundPipe(..., optimizer_dir=...)``; rows
+"..., state on disk"): the optimizer copies and state live in files, and host RAM holds the
+model copy (2 bytes per parameter; for bf16 master weights it is the master) and the window
+through which each stage's optimizer copies and state stream, three stages' worth (the one
+written, the one stepped, the one read ahead: the largest sum of three stages in a row of exact
+mode's order, which wraps from the embeddings to ``lm_head``). The disk holds the rest of the
+floor per trainable parameter (12 bytes for fp32 AdamW: master and two moments; 2.03 for bf16
+master + int8 state) and a step reads and writes all of it once: a fourth bound, the disk, at
+``disk_gbps`` for that mix of reads and writes.
+
 **Tokens/s bound** of an optimizer step of ``batch * seq * accumulation`` tokens, overlapped
 (the step time is the largest of the three): the GPU's matmuls (8 FLOPs per parameter and
 token: forward, recomputation, backward; 6 without weight gradients of a frozen base; plus
@@ -236,11 +246,23 @@ class Method:
     step_bytes: float
     step_efficiency: float
     lora: bool = False
+    on_disk: bool = False
+
+    @property
+    def disk_floor(self) -> float:
+        """Bytes per trainable parameter in files when on a disk: the floor without the model
+        copy (which stays in host RAM)."""
+        return self.floor - MODEL_BYTES if self.on_disk else 0.0
 
 
-def methods() -> list[Method]:
+DISK_SUFFIX = ", state on disk"
+
+
+def methods(disk: bool = False) -> list[Method]:
     """The ladder's five configurations (``roundpipe.bench.memory.CONFIGS``) and LoRA (rank
-    ``--lora-rank``) on an NF4 base with fp32 AdamW."""
+    ``--lora-rank``) on an NF4 base with fp32 AdamW; with ``disk``, the ladder's full
+    fine-tuning configurations again with their optimizer copies and state on a disk
+    (Adafactor's state is small already)."""
     from .bench.memory import CONFIGS
 
     # % of byte floor of the pipeline's fused step, docs/host_memory.md (2026-12-02, one thread)
@@ -250,6 +272,9 @@ def methods() -> list[Method]:
     adamw = CONFIGS[0]
     out.append(Method("NF4 base + LoRA", adamw.floor, adamw.step_bytes, efficiency[adamw.name],
                       lora=True))
+    if disk:
+        out += [Method(c.name + DISK_SUFFIX, c.floor, c.step_bytes, efficiency[c.name],
+                       on_disk=True) for c in CONFIGS if c.optimizer != "adafactor"]
     return out
 
 
@@ -265,6 +290,8 @@ class Machine:
     host_gbps: float = 62.0
     gpu_tflops: float = 80.0
     fixed_device: float = 1 * GIB
+    disk_bytes: float = 0.0   # a disk for the optimizer state (0: none)
+    disk_gbps: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -304,6 +331,7 @@ class Estimate:
     trainable: int
     host: dict = field(default_factory=dict)
     device: dict = field(default_factory=dict)
+    disk: float = 0.0
     seconds: dict = field(default_factory=dict)
     machine: Machine = field(default_factory=Machine)
     workload: Workload = field(default_factory=Workload)
@@ -323,6 +351,10 @@ class Estimate:
     @property
     def fits_gpu(self) -> bool:
         return self.device_total <= self.machine.gpu_bytes
+
+    @property
+    def fits_disk(self) -> bool:
+        return self.disk <= self.machine.disk_bytes
 
     @property
     def bound_by(self) -> str:
@@ -347,7 +379,10 @@ def host_parts(m: Method, trainable: int, stage_grads: int, stage_inputs: float,
     out = {}
     if frozen:
         out["frozen base"] = frozen
-    out["model + optimizer copies + state"] = m.floor * trainable
+    if m.on_disk:
+        out["model copy"] = MODEL_BYTES * trainable
+    else:
+        out["model + optimizer copies + state"] = m.floor * trainable
     if accumulation > 1:
         out["accumulated gradient"] = GRAD_SUM_BYTES * trainable
     out["stage inputs (activations)"] = stage_inputs
@@ -411,7 +446,8 @@ def estimate(g: Geometry, m: Method, machine: Machine = Machine(),
                  "layers_per_stage"):
         if getattr(w, name) < 1:
             raise ValueError(f"roundpipe.sizing: {name} must be >= 1, got {getattr(w, name)}")
-    for name in ("gpu_bytes", "host_bytes", "pcie_gbps", "host_gbps", "gpu_tflops"):
+    for name in ("gpu_bytes", "host_bytes", "pcie_gbps", "host_gbps", "gpu_tflops",
+                 "disk_gbps"):
         if not getattr(machine, name) > 0:
             raise ValueError(f"roundpipe.sizing: {name} must be > 0, got {getattr(machine, name)}")
     layers = _layer_table(g, m, w)
@@ -427,6 +463,12 @@ def estimate(g: Geometry, m: Method, machine: Machine = Machine(),
     hidden_bytes = MODEL_BYTES * w.tokens_per_call * g.hidden_size * (len(layers) - 1)
     e.host = host_parts(m, trainable, max(s["grads"] for s in stages), hidden_bytes,
                         w.accumulation, frozen)
+    if m.on_disk:  # three stages in a row of exact mode's order (descending, wrapping)
+        units = [m.disk_floor * s["trainable"] for s in reversed(stages) if s["trainable"]]
+        e.host["optimizer window (3 stages)"] = max(
+            sum(units[(k + j) % len(units)] for j in range(min(3, len(units))))
+            for k in range(len(units)))
+        e.disk = m.disk_floor * trainable
     e.host["reserve (OS, process)"] = machine.host_reserve
 
     # device: the stage whose visit holds the most
@@ -451,6 +493,8 @@ def estimate(g: Geometry, m: Method, machine: Machine = Machine(),
     e.seconds["PCIe"] = w.accumulation * max(up, down) / (machine.pcie_gbps * 1e9)
     e.seconds["host optimizer step"] = (trainable * m.step_bytes
                                         / (machine.host_gbps * 1e9 * m.step_efficiency))
+    if m.on_disk:  # read and written once per step
+        e.seconds["disk"] = 2 * e.disk / (machine.disk_gbps * 1e9)
     return e
 
 
@@ -527,9 +571,10 @@ def long_table(w: Workload = Workload(), machine: Machine = Machine()) -> str:
 
 
 def size(model: str, machine: Machine = Machine(), w: Workload = Workload()) -> tuple:
-    """``(geometry, [estimate of each method])`` for ``model`` (see :func:`geometry`)."""
+    """``(geometry, [estimate of each method])`` for ``model`` (see :func:`geometry`); the
+    configurations on a disk when ``machine.disk_bytes`` is set."""
     g = geometry(model)
-    return g, [estimate(g, m, machine, w) for m in methods()]
+    return g, [estimate(g, m, machine, w) for m in methods(machine.disk_bytes > 0)]
 
 
 # --- the command --------------------------------------------------------------------------------
@@ -556,6 +601,7 @@ def report(g: Geometry, estimates: list[Estimate]) -> str:
     """The table ``python -m roundpipe.sizing`` prints."""
     e0 = estimates[0]
     mc, w = e0.machine, e0.workload
+    disk = [e for e in estimates if e.method.on_disk]
     lines = [
         f"{g.name}: {g.params() / 1e9:.2f}B parameters ({g.num_hidden_layers} layers x "
         f"{g.hidden_size}, vocabulary {g.vocab_size:,})",
@@ -564,18 +610,27 @@ def report(g: Geometry, estimates: list[Estimate]) -> str:
         f"layers_per_stage={w.layers_per_stage}, LoRA rank {w.lora_rank}",
         f"GPU {_gib(mc.gpu_bytes)} GiB ({mc.gpu_tflops:g} TFLOPS, {_gib(mc.fixed_device)} GiB "
         f"fixed), host {_gib(mc.host_bytes)} GiB ({_gib(mc.host_reserve)} GiB reserved), PCIe "
-        f"{mc.pcie_gbps:g} GB/s, host step {mc.host_gbps:g} GB/s",
+        f"{mc.pcie_gbps:g} GB/s, host step {mc.host_gbps:g} GB/s"
+        + (f", disk {_gib(mc.disk_bytes)} GiB at {mc.disk_gbps:g} GB/s" if disk else ""),
         "",
-        f"{'configuration':<26} {'trainable':>10} {'host GiB':>9} {'fits':>5} "
-        f"{'GPU GiB':>8} {'fits':>5} {'tokens/s':>9}  bound by",
+        f"{'configuration':<41} {'trainable':>10} {'host GiB':>9} {'fits':>5} "
+        f"{'GPU GiB':>8} {'fits':>5} " + (f"{'disk GiB':>9} {'fits':>5} " if disk else "")
+        + f"{'tokens/s':>9}  bound by",
     ]
     for e in estimates:
-        lines.append(f"{e.method.name:<26} {e.trainable / 1e9:>9.2f}B {_gib(e.host_total):>9} "
+        on_disk = (f"{_gib(e.disk):>9} {'yes' if e.fits_disk else 'NO':>5} " if e.method.on_disk
+                   else f"{'-':>9} {'':>5} ") if disk else ""
+        lines.append(f"{e.method.name:<41} {e.trainable / 1e9:>9.2f}B {_gib(e.host_total):>9} "
                      f"{'yes' if e.fits_host else 'NO':>5} {_gib(e.device_total):>8} "
-                     f"{'yes' if e.fits_gpu else 'NO':>5} {e.tokens_per_s:>9,.0f}  {e.bound_by}")
-    lines += ["", "host GiB = " + " + ".join(e0.host), "GPU GiB (at the bound, not measured on a "
-              "GPU) = " + " + ".join(e0.device),
-              "tokens/s = tokens per step / the largest of: " + ", ".join(e0.seconds)]
+                     f"{'yes' if e.fits_gpu else 'NO':>5} {on_disk}{e.tokens_per_s:>9,.0f}  "
+                     f"{e.bound_by}")
+    lines += ["", "host GiB = " + " + ".join(e0.host)]
+    if disk:
+        lines.append("host GiB, state on disk = " + " + ".join(disk[0].host))
+        lines.append("disk GiB = optimizer copies + state (the floor without the model copy)")
+    lines += ["GPU GiB (at the bound, not measured on a GPU) = " + " + ".join(e0.device),
+              "tokens/s = tokens per step / the largest of: "
+              + ", ".join((disk[0] if disk else e0).seconds)]
     return "\n".join(lines)
 
 
@@ -630,6 +685,13 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--host-gbps", type=float, default=m.host_gbps,
                     help="host memory bandwidth of the optimizer step: 62 GB/s is fp32 AdamW "
                          "measured on a 16-core Xeon GPU host (1.82B parameters in 0.82 s)")
+    ap.add_argument("--disk", type=parse_bytes, default=None, metavar="SIZE",
+                    help="a local disk (NVMe) for the optimizer state: adds the configurations "
+                         "with their optimizer copies and state on it (optimizer_dir)")
+    ap.add_argument("--disk-gbps", type=float, default=m.disk_gbps,
+                    help="the disk's sequential GB/s for a step's mix of reads and writes (7: a "
+                         "PCIe 4.0 NVMe SSD's reads; measure yours with python -m "
+                         "roundpipe.bench disk)")
     ap.add_argument("--gpu-tflops", type=float, default=m.gpu_tflops,
                     help="achieved bf16 TFLOPS: about half an RTX 4090's 165 TFLOPS dense "
                          "peak (fp32 accumulate); plain HF training reached 355 on an H200")
@@ -648,7 +710,7 @@ def main(argv: Optional[list] = None) -> int:
     w = Workload(args.batch, args.seq, args.microbatches, args.accumulation, args.lora_rank,
                  args.loss_chunk, args.layers_per_stage)
     machine = Machine(args.gpu, args.host, args.host_reserve, args.pcie_gbps, args.host_gbps,
-                      args.gpu_tflops, args.fixed_device)
+                      args.gpu_tflops, args.fixed_device, args.disk or 0.0, args.disk_gbps)
     try:
         if args.list:
             for key, (title, config) in BUILTIN.items():

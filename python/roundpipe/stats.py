@@ -32,6 +32,10 @@ Keys (all floats, accumulated since construction or the last reset):
   ``h2d_weight_bytes / generated_tokens``;
 - ``exact_deferred_calls``: exact-mode calls whose step waited for the end of the backward
   (a loss scaler or clipping needs every gradient's verdict first);
+- ``disk_read_bytes`` / ``disk_write_bytes``: bytes of optimizer copies and state read from
+  and written to ``optimizer_dir`` (direct I/O, read ahead included); ``disk_wait_s``: step
+  calls waiting for those reads (or for room in the window); ``disk_window_bytes``: the most
+  host memory the window held (not reset); all 0 without ``optimizer_dir``;
 - ``pinned_bytes``: page-locked host memory held now (CUDA; not reset);
 - ``host_stage_input_bytes``: the most bytes of stage inputs (what a stage's forward visit
   hands to the next stage, kept on the host for that stage's backward: the activations of
@@ -48,11 +52,12 @@ import threading
 
 KINDS = ("weight", "activation", "input_grad", "param_grad", "buffer", "label", "output", "kv")
 TIME_KEYS = ("wall_s", "device_s", "weights_wait_s", "optimizer_wait_s", "optimizer_s", "upload_s",
-             "comm_s")
+             "comm_s", "disk_wait_s")
 BYTE_KEYS = (tuple(f"h2d_{k}_bytes" for k in KINDS) + tuple(f"d2h_{k}_bytes" for k in KINDS)
-             + ("weight_floor_bytes", "param_grad_floor_bytes", "kv_floor_bytes"))
+             + ("weight_floor_bytes", "param_grad_floor_bytes", "kv_floor_bytes",
+                "disk_read_bytes", "disk_write_bytes"))
 COUNT_KEYS = ("exact_deferred_calls", "generate_steps", "generated_tokens", "plan_revisions")
-GAUGES = ("pinned_bytes", "host_stage_input_bytes", "stages")
+GAUGES = ("pinned_bytes", "host_stage_input_bytes", "stages", "disk_window_bytes")
 KEYS = TIME_KEYS + BYTE_KEYS + COUNT_KEYS + GAUGES
 
 

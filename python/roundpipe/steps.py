@@ -194,6 +194,8 @@ class Steps:
         self.thread.wait()
         self.copies.write_back_stale()
         self.thread.raise_error()
+        if self.copies.store is not None:  # the disk's writes have ended (a failed one: the
+            self.copies.store.wait_writes()  # next step raises or retries it)
 
     def close(self) -> None:
         """Ends the optimizer thread once its queued work is done."""
@@ -244,6 +246,8 @@ class Steps:
         except BaseException as e:
             self.reduction.abort(e)  # with ranks: theirs and this rank's waits end now
             self.thread.wait()
+            if self.copies.store is not None:
+                self.copies.store.wait_writes()  # a failed one is raised by the next step
             self.discard()
             raise
         if deferred:
@@ -391,6 +395,10 @@ class Steps:
                         copies.pool.give(grads[i])
             if last:
                 self.report = StepReport(total_norm(exact.norms_sq))
+                if copies.store is not None:  # the step's last writes, once its layers are free
+                    for li in copies.index.layers_of(final):
+                        release(li)
+                    copies.store.flush()
         finally:
             direct = None  # noqa: F841
             if download is not None:
@@ -464,6 +472,12 @@ class Steps:
             TypeError: a layer-by-layer optimizer holds a parameter whose dtype it cannot step
                 (bfloat16 without ``stochastic_rounding=True``, float16).
         """
+        if self.copies.store is not None and not self.layerwise(opt):
+            raise ValueError(
+                f"{where}: with optimizer_dir (the optimizer copies and state in files), the "
+                "step must run stage by stage through the window: a roundpipe.optim optimizer "
+                "over this model's optimizer copies only, without step hooks; "
+                f"{type(opt).__name__} would be stepped whole, its state in host memory")
         if self.reduction.sharded and isinstance(opt, _NOT_ELEMENTWISE):
             raise ValueError(
                 f"{where}: {type(opt).__name__} cannot step optimizer copies sharded over ranks "
@@ -514,6 +528,12 @@ class Steps:
              clip: Optional[Clip] = None) -> Any:
         """``RoundPipe.step`` (arguments already checked)."""
         copies = self.copies
+        if copies.store is not None and not isinstance(step_fn, torch.optim.Optimizer):
+            raise TypeError(
+                "RoundPipe.step: with optimizer_dir (the optimizer copies and state in files), "
+                "step takes the optimizer itself (model.step(opt): stepped stage by stage "
+                "through the window), not a function, which would read every optimizer copy "
+                "at once")
         self.reduction.check()
         if is_async:
             self.thread.raise_error()
@@ -562,8 +582,7 @@ class Steps:
                 behind = set(plan.behind)
                 for li in range(len(copies.layers)):
                     mine = [i for i in index.own_params[li] if i in behind]
-                    for i in mine:
-                        copies.write_back(i)
+                    copies.write_back_many(mine)
                     reduction.written(mine)
                     if not any(index.shared[i] for i in index.layer_params[li]):
                         release(li)  # else when this step has written it
@@ -595,6 +614,8 @@ class Steps:
                     reduction.written(written)
                     release(li)
             self.report = StepReport(decision.norm, False, plan.scale)
+            if copies.store is not None:
+                copies.store.flush()  # the step's last writes: a failure is this step's error
             return result
         finally:
             for g in grads:

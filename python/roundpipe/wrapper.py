@@ -13,6 +13,7 @@ overlapped steps; loss scaling and clipping with grad_scaler.py and clipping.py)
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import warnings
@@ -29,6 +30,7 @@ from .clipping import Clip
 from .distributed import REDUCTIONS, Comm, ReplicatedReduction, ShardedReduction
 from .grad_scaler import GradScaler
 from .host_buffers import tune_malloc
+from .disk import StateStore
 from .param_copies import ParamCopies
 from .pipeline.execute import draw_call_seed, in_layer
 from .quant import (check_frozen_dtype, frozen_linears, quantize_frozen_linears,
@@ -132,6 +134,17 @@ class RoundPipe(nn.Module):
             stage visit, right behind the upload (see :mod:`roundpipe.quant`); biases, norms, embeddings, tied or
             output embeddings and every trainable parameter stay as they are. Raises
             ``ValueError`` when the model has no frozen linear. None (default): no quantization.
+        optimizer_dir: a folder on a local disk (an NVMe SSD) for the optimizer copies and the
+            optimizer state (see docs/host_memory.md, "Optimizer state on a disk"): they live
+            in files in ``<optimizer_dir>/rank<r>`` (``r``: the rank, 0 without a process
+            group; created if missing, taken by this RoundPipe alone, removed when it is
+            deleted or the process exits normally), and host memory holds only a window of a
+            few stages' worth while they are stepped (read and written with direct I/O, read
+            ahead of the step). Results are those of the same optimizer in memory, bit for
+            bit. The step must be a ``roundpipe.optim`` optimizer stepped by RoundPipe
+            (``step(opt)``, exact mode); between steps the optimizer copies and state view
+            their files (reading them works, through the page cache). None (default): host
+            memory.
 
     Concurrency: one call at a time per wrapper (``forward``, ``forward_backward``, ``step``,
     ``load_state_dict``): calls from other threads wait for the running one; a call from
@@ -157,7 +170,12 @@ class RoundPipe(nn.Module):
             different ``shard_optimizer``, ``grad_reduction``, ``optim_dtype``,
             ``layers_per_stage`` or numbers of ``layers`` (the message names the setting).
         TypeError: ``model`` or an entry of ``layers`` is not a module, a ``device`` entry is
-            not a str or device, ``prefetch`` or ``shard_optimizer`` is not a bool.
+            not a str or device, ``prefetch`` or ``shard_optimizer`` is not a bool,
+            ``optimizer_dir`` is not a path.
+        roundpipe.disk.StateDiskError: (an ``OSError``) ``optimizer_dir`` cannot be used: it
+            is in use by another process or RoundPipe, holds files that are not RoundPipe's,
+            or the disk cannot hold the optimizer copies (the message names the folder and
+            the cause).
         RuntimeError: ``process_group`` without torch.distributed initialised, or this process
             is not in it.
     """
@@ -170,7 +188,7 @@ class RoundPipe(nn.Module):
                  max_resident_bytes: Optional[int] = None,
                  layers: Optional[Sequence[nn.Module]] = None, process_group: Any = None,
                  shard_optimizer: bool = False, grad_reduction: str = "mean",
-                 frozen_dtype: Optional[str] = None) -> None:
+                 frozen_dtype: Optional[str] = None, optimizer_dir: Any = None) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be an nn.Module, got {type(model).__name__}")
@@ -196,6 +214,9 @@ class RoundPipe(nn.Module):
         if not isinstance(shard_optimizer, bool):
             raise TypeError("RoundPipe: shard_optimizer must be a bool, got "
                             f"{type(shard_optimizer).__name__}")
+        if optimizer_dir is not None and not isinstance(optimizer_dir, (str, os.PathLike)):
+            raise TypeError("RoundPipe: optimizer_dir must be None or a path (str), got "
+                            f"{type(optimizer_dir).__name__}")
         if shard_optimizer and process_group is None:
             raise ValueError("RoundPipe: shard_optimizer=True needs a process_group")
         check_frozen_dtype(frozen_dtype, "RoundPipe")
@@ -239,7 +260,17 @@ class RoundPipe(nn.Module):
             self.pin_memory, self._pinned_bytes = pin_host_model(model, pin_memory, self.devices[0])
         if self._comm is not None and self._staging.auto:  # every rank plans under the same
             self._staging.budget_bytes = self._comm.smallest(self._staging.budget_bytes)
-        self._copies = ParamCopies(model, self._layers, self._stages, optim_dtype, self._comm)
+        store = None
+        if optimizer_dir is not None:
+            store = StateStore(optimizer_dir, self._comm.rank if self._comm is not None else 0)
+        try:
+            self._copies = ParamCopies(model, self._layers, self._stages, optim_dtype,
+                                       self._comm, store)
+        except BaseException:
+            if store is not None:
+                store.close()
+            raise
+        self.optimizer_dir = optimizer_dir
         self._build_layout()
         self._runtime_init()
 
@@ -313,6 +344,8 @@ class RoundPipe(nn.Module):
         self._call_owner: Optional[threading.Thread] = None
         self._call_name = ""
         closers = [w.close for w in self._workers] + [self._steps.close]
+        if self._copies.store is not None:  # its files go with the wrapper
+            closers.append(self._copies.store.close)
         # threads end with the wrapper (at exit, threads._stop_workers ends them)
         weakref.finalize(self, lambda: [close() for close in closers]).atexit = False
 
@@ -794,6 +827,11 @@ class RoundPipe(nn.Module):
         for io in self._ios:
             for key, value in io.collect().items():
                 self._stats.add(key, value)
+        store = self._copies.store
+        if store is not None:
+            for key, value in store.collect().items():
+                self._stats.add(key, value)
+            self._stats.set("disk_window_bytes", store.stats["window_peak_bytes"])
         return self._stats.snapshot(reset)
 
     # --- checkpoints -------------------------------------------------------------------------------

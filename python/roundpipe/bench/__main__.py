@@ -14,7 +14,10 @@ plain transformers generate, tokens/s and bytes per generated token
 base, tokens/s and upload bytes, and (CUDA) one layer's dequantization
 (:mod:`roundpipe.bench.qlora`); ``python -m roundpipe.bench long [options]``: peak host memory
 of one training call at long sequences, plain, padded and packed, against plain transformers
-(:mod:`roundpipe.bench.long`)."""
+(:mod:`roundpipe.bench.long`);
+``python -m roundpipe.bench disk [options]``: the optimizer state on a disk against the disk's
+bandwidth and against host memory: step bytes, exact-mode time, peak RSS
+(:mod:`roundpipe.bench.disk`)."""
 
 import sys
 
@@ -45,6 +48,10 @@ if __name__ == "__main__":
         from .long import main as long_main
 
         long_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "disk":
+        from .disk import main as disk_main
+
+        disk_main(sys.argv[2:])
     elif len(sys.argv) > 1 and sys.argv[1] == "memory":
         from .memory import main as memory_main
 

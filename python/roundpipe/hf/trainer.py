@@ -52,6 +52,9 @@ _SCHEDULER_NAME = "scheduler.pt"
 _OPTIMIZER_NAME = "optimizer.pt"  # plain Trainer's (see _save_optimizer_and_scheduler)
 _SHARDED_NOTE = ("RoundPipe: the optimizer state of this checkpoint is sharded over the ranks, "
                  "in roundpipe_state/ only; resume it with RoundPipeTrainer (any world size)")
+_DISK_NOTE = ("RoundPipe: the optimizer state of this checkpoint lived on a disk "
+              "(optimizer_dir) and is in roundpipe_state/ only, written without holding it in "
+              "memory; resume it with RoundPipeTrainer")
 _INPUT_KEYS = trainer_loss.MODEL_KEYS + ("labels",)
 # what a padding-free collator (TRL's) adds for varlen kernels: the sequence boundaries that
 # position_ids already give (transformers' mask functions, roundpipe.hf.packed read them there)
@@ -549,7 +552,8 @@ class RoundPipeTrainerMixin:
         optimizer state. With the optimizer copies sharded over ranks, each rank holds only its
         rows: ``optimizer.pt`` is then a state dict of empty param groups, which
         ``torch.optim.Optimizer.load_state_dict`` (plain Trainer's resume) refuses rather than
-        starting Adam's moments afresh without a word."""
+        starting Adam's moments afresh without a word; so it is with the optimizer state on a
+        disk (``optimizer_dir``), which a state dict in memory would have to hold whole."""
         scaler = None if self._rp_scaler is None else self._rp_scaler.state_dict()
         real = self.optimizer.real
         save_checkpoint(os.path.join(output_dir, STATE_DIR), self.model, real,
@@ -557,9 +561,11 @@ class RoundPipeTrainerMixin:
         if not self.args.should_save:
             return
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
-        if any(r is not None for r in self.model.optim_shard_rows().values()):
+        note = (_SHARDED_NOTE if any(r is not None for r in self.model.optim_shard_rows().values())
+                else _DISK_NOTE if self.model.optimizer_dir is not None else None)
+        if note is not None:
             state = {"state": {}, "param_groups": [
-                {"params": [], "roundpipe": _SHARDED_NOTE} for _ in real.param_groups]}
+                {"params": [], "roundpipe": note} for _ in real.param_groups]}
         elif hasattr(real, "state_as_float32"):  # roundpipe.optim: compact state as float32
             state = real.state_dict(state_dtype=torch.float32)
         else:

@@ -5,6 +5,7 @@ gathering a parameter group into the lists one C++ call takes."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
@@ -18,6 +19,7 @@ from torch.optim import Optimizer
 
 from .. import _C
 from . import compact
+from ..disk import StateStore, any_open, store_of
 from ..torch_private import mark_stepped, tree_map
 
 
@@ -134,6 +136,14 @@ def frozen_copy(opt: Optimizer) -> Optimizer:
     return twin
 
 
+class _DiskRoom:
+    """An optimizer's room in a :class:`~roundpipe.disk.StateStore` (shared with its shallow
+    twins): the file reserved at its first step for all of its state there."""
+
+    store: Optional[StateStore] = None
+    extent: Any = None
+
+
 class CpuOptimizer(Optimizer):
     """Base of the ``roundpipe.optim`` classes: a ``torch.optim.Optimizer`` whose ``step`` hands
     each parameter group to one C++ kernel call.
@@ -238,6 +248,7 @@ class CpuOptimizer(Optimizer):
                 )
                 defaults[flag] = None
         self.check_group(defaults)
+        self._disk = _DiskRoom()
         super().__init__(params, defaults)
 
     @property
@@ -337,6 +348,11 @@ class CpuOptimizer(Optimizer):
             ValueError: another ``state_dtype``.
         """
         sd = super().state_dict()
+        store = self._store(p for g in self.param_groups for p in g["params"])
+        if store is not None:  # copies of what lives in files (torch gives references)
+            store.wait_writes()
+            sd["state"] = {pid: {k: v.clone() if store.holds(v) else v for k, v in st.items()}
+                           for pid, st in sd["state"].items()}
         if self._memory.calls:
             sd["rounding_calls"] = self._memory.calls
         if state_dtype is None:
@@ -363,6 +379,32 @@ class CpuOptimizer(Optimizer):
         for key in self._state_keys:
             if key in values:
                 compact.store(self._memory, p, p_state, key, values, self._int8_signed)
+        store = self._store((p,))
+        if store is not None:  # kept in files: what is not there yet moves there
+            self._to_disk(store, [(p, p_state)])
+
+    def empty_state(self, requests: Sequence[tuple]) -> list[torch.Tensor]:
+        """For each ``(p, shape, dtype)`` of ``requests``, an uninitialised tensor to load a
+        state tensor of parameter ``p`` into (e.g. from a checkpoint), then handed to
+        :meth:`store_state`: in host memory, or, when ``p``'s state is kept in files
+        (``RoundPipe(..., optimizer_dir=...)``) and the tensor has dimensions, in a file
+        allocated for all of them at once (the values arrive through its mapping)."""
+        out: list = [None] * len(requests)
+        by_store: dict = {}
+        for k, (p, shape, dtype) in enumerate(requests):
+            store = self._store((p,)) if len(shape) else None
+            if store is None:
+                out[k] = torch.empty(shape, dtype=dtype)
+            else:
+                by_store.setdefault(store, []).append(k)
+        for store, ks in by_store.items():
+            extent = store.reserve([(requests[k][1], requests[k][2]) for k in ks],
+                                   f"the loaded state of roundpipe.optim.{type(self).__name__}")
+            for k in ks:
+                p, shape, dtype = requests[k]
+                out[k] = store.empty(shape, dtype, f"{store.name(p)}: loaded state", extent)
+            store.done_carving(extent)
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``; 0-dim state saved in another dtype (an
@@ -380,6 +422,16 @@ class CpuOptimizer(Optimizer):
         """
         calls = compact.check_calls(f"roundpipe.optim.{type(self).__name__}.load_state_dict",
                                     state_dict.get("rounding_calls", self._memory.calls))
+        store = self._store(p for g in self.param_groups for p in g["params"])
+        if store is not None:
+            store.settle()  # no write in flight to the state being replaced
+            room = self._disk
+            if room.store is store:
+                store.done_carving(room.extent)
+            room.store, room.extent = store, store.reserve(  # what store_state moves there
+                [s for g in self.param_groups for p in g["params"] if store_of(p) is store
+                 for s in self._state_layout(g, p)],
+                f"the loaded state of roundpipe.optim.{type(self).__name__}")
         saved_groups = state_dict.get("param_groups", [])
         by_id: dict = {}
         if len(saved_groups) == len(self.param_groups):
@@ -421,6 +473,9 @@ class CpuOptimizer(Optimizer):
             if torch.is_tensor(p):
                 self.store_state(p, st, st)
         self._memory.calls = calls
+        if store is not None:  # all of it is in the files now (store_state): nothing to carve
+            store.done_carving(self._disk.extent)
+            self._disk.extent = None
 
     def _scalar_state_to_tensors(self) -> None:
         """0-dim state as the kernels keep it, float32 tensors: Python numbers (old checkpoints;
@@ -486,6 +541,7 @@ class CpuOptimizer(Optimizer):
         lack (``_group_defaults``, the keys the torch class fills in); 0-dim state becomes
         float32 tensors (``_scalar_state_to_tensors``)."""
         super().__setstate__(state)
+        self.__dict__.setdefault("_disk", _DiskRoom())
         if "_memory" not in self.__dict__:  # pickled before compact storage existed
             self._memory = compact.Memory(torch.float32, False, 0)
         for group in self.param_groups:
@@ -642,6 +698,82 @@ class CpuOptimizer(Optimizer):
         self.check_group(param_group)
         super().add_param_group(param_group)
 
+    # --- state on a disk (roundpipe.disk; RoundPipe(..., optimizer_dir=...)) ------------------
+
+    @staticmethod
+    def _store(tensors) -> Optional[StateStore]:
+        """The store keeping the state of any of ``tensors`` (parameters), or None."""
+        if not any_open():
+            return None
+        for p in tensors:
+            s = store_of(p) if torch.is_tensor(p) else None
+            if s is not None:
+                return s
+        return None
+
+    def _state_layout(self, group: dict[str, Any], p: torch.Tensor) -> list[tuple]:
+        """``(shape, dtype)`` of each per-element state tensor a step creates for ``p`` (int8
+        state: the codes and the block maxima)."""
+        out = []
+        for key in self._active_state_keys(group):
+            shape = tuple(self._state_shape(p, key))
+            fmt = self._memory.format_of(p, key, self._int8_signed)
+            if fmt == "int8":
+                out += [(shape, torch.uint8),
+                        ((math.ceil(math.prod(shape) / compact.QUANT_BLOCK),), torch.float32)]
+            else:
+                out.append((shape, fmt))
+        return out
+
+    def _disk_prepare(self, store: StateStore, work: list[tuple[dict, list]]) -> list:
+        """For a step of the parameters of each ``(group, params)`` of ``work`` whose state is
+        kept by ``store``: at this optimizer's first such step, room for all of its state there
+        is reserved (a full disk is an error now, before anything is stepped); state is created
+        where missing, as the step would create it (torch's KeyError for damaged state, the
+        kernel's checks of the options, first), and moved to the store. Returns the tensors the
+        step reads and writes (parameters and per-element state) for :meth:`StateStore.acquire`.
+        """
+        room = self._disk
+        if room.store is not store:
+            shapes = [s for g in self.param_groups for p in g["params"]
+                      if store_of(p) is store and not self.state.get(p)
+                      for s in self._state_layout(g, p)]
+            room.extent = store.reserve(shapes, f"the optimizer state of roundpipe.optim."
+                                                f"{type(self).__name__}")
+            room.store = store
+        tensors: list = []
+        new: list = []  # (param, its state) whose state the store keeps
+        for group, params in work:
+            active = self._active_state_keys(group)
+            pstates = [self.state[p] for p in params]
+            if any(not st for st in pstates):
+                for st in pstates:
+                    missing = [k for k in self._required_keys(active) if st and k not in st]
+                    if missing:
+                        raise KeyError(missing[0])
+                self._check_options(group)
+                for p, st in zip(params, pstates):
+                    if not st:
+                        self._init_state(group, p, st)
+            for p, st in zip(params, pstates):
+                tensors.append(p)
+                tensors += [v for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+                if store_of(p) is store:
+                    new.append((p, st))
+        self._to_disk(store, new)
+        return tensors
+
+    def _to_disk(self, store: StateStore, states: list[tuple]) -> None:
+        """Every per-element state tensor of each ``(p, p_state)`` of ``states`` that ``store``
+        does not hold yet moves into its files (carved from this optimizer's reserved file
+        while it has room)."""
+        new = [(v, f"{store.name(p)}: {k}") for p, st in states for k, v in st.items()
+               if torch.is_tensor(v) and v.dim() > 0 and not store.holds(v)]
+        if new:
+            room = self._disk
+            store.adopt([t for t, _ in new], [n for _, n in new],
+                        room.extent if room.store is store else None)
+
     @torch.no_grad()
     def fused_step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    model_copies: Optional[Sequence[torch.Tensor]] = None, *,
@@ -744,18 +876,25 @@ class CpuOptimizer(Optimizer):
         io.want_grad_norm = bool(grad_norm)
         mark_stepped(self)  # an optimizer step for torch's LR schedulers (no warning)
         found_inf, norm_sq = False, 0.0
-        for gi, positions in sorted(by_group.items()):
-            group = self.param_groups[gi]
-            self.check_group(group)
-            try:
-                self._step_tensors(group, [params[i] for i in positions],
-                                   [grads[i] for i in positions],
-                                   [copies[i] for i in positions] if copies is not None else None,
-                                   io)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"{name}: param group {gi}: {e}") from None
-            found_inf = found_inf or io.found_inf
-            norm_sq += io.grad_norm_sq
+        store = self._store(params)
+        held: Any = contextlib.nullcontext()
+        if store is not None:  # the tensors of this call into the window, from the disk
+            held = store.acquire(self._disk_prepare(store, [
+                (self.param_groups[gi], [params[i] for i in positions])
+                for gi, positions in sorted(by_group.items())]))
+        with held:
+            for gi, positions in sorted(by_group.items()):
+                group = self.param_groups[gi]
+                self.check_group(group)
+                try:
+                    self._step_tensors(group, [params[i] for i in positions],
+                                       [grads[i] for i in positions],
+                                       [copies[i] for i in positions] if copies is not None
+                                       else None, io)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"{name}: param group {gi}: {e}") from None
+                found_inf = found_inf or io.found_inf
+                norm_sq += io.grad_norm_sq
         return StepStats(found_inf, norm_sq if grad_norm else None)
 
     @torch.no_grad()
@@ -786,7 +925,15 @@ class CpuOptimizer(Optimizer):
         for index, group in enumerate(self.param_groups):
             self.check_group(group)
             try:
-                self._step_group(group)
+                store = self._store(group["params"])
+                if store is None:
+                    self._step_group(group)
+                else:  # through the window (roundpipe.disk)
+                    params = list(group["params"])
+                    grads = [p.grad for p in params]
+                    stepped = [p for p, g in zip(params, grads) if g is not None]
+                    with store.acquire(self._disk_prepare(store, [(group, stepped)])):
+                        self._step_tensors(group, params, grads)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"roundpipe.optim.{type(self).__name__}: param group {index}: {e}") from None
         return loss

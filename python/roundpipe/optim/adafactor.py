@@ -107,6 +107,12 @@ class Adafactor(CpuOptimizer):
         # the update: ours names it in a ValueError), only "step" as state["step"]
         return self._scalar_keys
 
+    def _state_layout(self, group, p):
+        # what _init_state creates: the factors of a matrix, the whole variance of a vector
+        if p.dim() > 1:
+            return [(tuple(self._state_shape(p, k)), torch.float32) for k in ("row_var", "col_var")]
+        return [(tuple(p.shape), torch.float32)]
+
     @staticmethod
     def _state_value(st, key):
         # a parameter keeps either the factors or the variance; empty state: created first
