@@ -10,6 +10,10 @@ sink sees the stages in descending order whatever the number of devices: a param
 in several stages (tied weights) gets its per-stage sums added in the same order every time,
 and results are bit-identical for any number of devices.
 
+A *kept* stage (:attr:`Layout.recompute`) runs its forward visit with autograd; its
+:class:`~roundpipe.pipeline.stage.StageVisit` (weights and graphs) waits in :attr:`Pass.kept`
+for its backward visit, which fetches nothing.
+
 A pass runs either on the devices' worker threads (several devices) or on the calling thread
 in the global order (one device, or a pass started from inside a layer of another RoundPipe,
 e.g. a teacher model: its workers could not run while the caller holds the RNG lock).
@@ -20,7 +24,7 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from torch import nn
 
@@ -46,6 +50,8 @@ class Layout:
         buffer_deps: per stage, earlier stages sharing a module with buffers with it.
         stage_bytes: per stage, device bytes of its weights and buffers.
         max_resident_bytes: prefetch cap (None: none).
+        recompute: per stage, whether a training pass recomputes it (``()``: every stage but
+            the last; see :attr:`roundpipe.planner.StagePlan.recompute`).
     """
 
     layers: list[nn.Module]
@@ -56,11 +62,19 @@ class Layout:
     buffer_deps: list[list[int]]
     stage_bytes: list[int]
     max_resident_bytes: Optional[int]
+    recompute: Sequence[bool] = ()
 
     @property
     def first_backward(self) -> int:
         """The lowest stage with a trainable parameter (the last stage when there is none)."""
         return next((s for s, t in enumerate(self.trainable_stages) if t), len(self.stages) - 1)
+
+    def kept(self) -> list[bool]:
+        """Per stage, whether a training pass keeps its saved tensors from its forward visit to
+        its backward visit (it has both, and does not recompute)."""
+        S, first = len(self.stages), self.first_backward
+        return [bool(self.recompute) and not self.recompute[s] and first <= s < S - 1
+                for s in range(S)]
 
     def input_grad(self, stage: int) -> bool:
         """Whether the stage's floating inputs need a gradient: an earlier stage trains."""
@@ -88,7 +102,9 @@ class Pass:
         self.spec, self.layout, self.ios, self.gates, self.stats = spec, layout, ios, gates, stats
         self.grad_sink = grad_sink
         S, M = len(layout.stages), len(spec.microbatches)
-        self.order = pass_order(S, spec.training, layout.first_backward)
+        self.kept_stages = layout.kept() if spec.training else [False] * S
+        self.order = pass_order(S, spec.training, layout.first_backward, self.kept_stages)
+        self.kept: dict[int, StageVisit] = {}  # kept stages between their two visits
         self.acts = [[Slot() for _ in range(M)] for _ in range(S + 1)]
         for m, (args, kwargs, _) in enumerate(spec.microbatches):
             self.acts[0][m].set(((args, kwargs), None))
@@ -113,7 +129,7 @@ class Pass:
                 firsts.discard(v)
                 continue
             w, g = self._visit_floor(v)
-            weight += w
+            weight += 0 if v.backward and v.kept else w  # a kept stage's weights: uploaded once
             grad += g
         self.stats.add("weight_floor_bytes", weight)
         self.stats.add("param_grad_floor_bytes", grad)
@@ -151,6 +167,7 @@ class Pass:
                         [functools.partial(_run_device, runners[d]) for d in used], abort)
         finally:
             abort.set()
+            self.kept.clear()  # a failed pass's kept stages
             for d in used:
                 self.ios[d].finish()
         if self.spec.upload_ahead and self.spec.carry is not None:
@@ -169,7 +186,7 @@ class Pass:
 
     def stage_input_done(self, s: int) -> bool:
         """Whether nothing reads stage ``s``'s inputs after its forward visit."""
-        return not self.spec.training or s < self.layout.first_backward
+        return not self.spec.training or s < self.layout.first_backward or self.kept_stages[s]
 
 
 def _run_device(runner: "_DeviceRun", abort: threading.Event) -> None:
@@ -198,41 +215,51 @@ class _DeviceRun:
             k, self.k = self.k, self.k + 1
             v = self.visits[k]
             io.begin_visit()
-            weights = self.fetcher.get(k, self.abort)
             layout, p = self.pass_.layout, self.pass_
-            stage = layout.stages[v.stage]
-            visit = StageVisit(p.spec, stage, [layout.layers[li] for li in stage.layers], weights,
-                               io, layout.input_grad(v.stage),
-                               [layout.locks[li] for li in stage.layers],
-                               v.stage == len(layout.stages) - 1)
-            weights = None  # noqa: F841 - the visit holds them; they die with it
-            if v.backward:
-                self._backward(k, v.stage, visit)
+            if v.backward and v.kept:  # its forward visit's weights and graphs
+                visit = p.kept.pop(v.stage)
             else:
-                self._forward(k, v.stage, visit)
+                weights = self.fetcher.get(k, self.abort)
+                stage = layout.stages[v.stage]
+                last = v.stage == len(layout.stages) - 1
+                visit = StageVisit(p.spec, stage, [layout.layers[li] for li in stage.layers],
+                                   weights, io, layout.input_grad(v.stage),
+                                   [layout.locks[li] for li in stage.layers], last,
+                                   p.spec.training and not last and not v.kept
+                                   and v.stage >= layout.first_backward)
+                weights = None  # noqa: F841 - the visit holds them; they die with it
+            if v.backward:
+                self._backward(k, v, visit)
+            else:
+                self._forward(k, v, visit)
 
-    def _forward(self, k: int, s: int, visit: StageVisit) -> None:
-        p, abort = self.pass_, self.abort
-        last = s == len(p.layout.stages) - 1
+    def _forward(self, k: int, v: Visit, visit: StageVisit) -> None:
+        p, abort, s = self.pass_, self.abort, v.stage
+        kind = "output" if s == len(p.layout.stages) - 1 else "activation"
+        run = visit.keep_one_chunk if v.kept else visit.forward_one_chunk
         for m in range(len(p.spec.microbatches)):
             tree, event = p.acts[s][m].get(abort)
             if p.stage_input_done(s):
                 p.acts[s][m].clear_value()
-            p.acts[s + 1][m].set(visit.forward_one_chunk(m, tree, event,
-                                                         "output" if last else "activation"))
+            p.acts[s + 1][m].set(run(m, tree, event, kind))
             tree = None
             self.fetcher.maybe_prefetch(k)
         visit.finish(False, abort)
+        if v.kept:
+            p.kept[s] = visit
         p.forward_done[s].set(True)
 
-    def _backward(self, k: int, s: int, visit: StageVisit) -> None:
-        p, abort = self.pass_, self.abort
+    def _backward(self, k: int, v: Visit, visit: StageVisit) -> None:
+        p, abort, s = self.pass_, self.abort, v.stage
         last = s == len(p.layout.stages) - 1
         visit.begin_backward()
         for m in range(len(p.spec.microbatches)):
-            tree, event = p.acts[s][m].get(abort)
             grad_output = None if last else p.grads[s + 1][m].get(abort)
-            out = visit.backward_one_chunk(m, tree, event, grad_output)
+            if v.kept:
+                out = visit.backward_kept_chunk(m, grad_output)
+            else:
+                tree, event = p.acts[s][m].get(abort)
+                out = visit.backward_one_chunk(m, tree, event, grad_output)
             p.acts[s][m].clear_value()
             if not last:
                 p.grads[s + 1][m].clear_value()
