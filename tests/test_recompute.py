@@ -129,10 +129,28 @@ def test_a_kept_stage_runs_each_layer_once_and_keeps_nothing_for_a_recomputation
     assert stats["weight_floor_bytes"] == stats["h2d_weight_bytes"]
 
 
-@pytest.mark.parametrize("bad", ["always", "yes", 1, 0, None, "AUTO"])
+@pytest.mark.parametrize("bad", ["always", "yes", 1, 0, None, "AUTO", [1, 0], (True, None)])
 def test_recompute_is_checked(bad):
     with pytest.raises(ValueError, match="recompute must be 'auto'.*True.*False"):
         RoundPipe(nn.Sequential(nn.Linear(4, 4)), device="cpu", recompute=bad)
+
+
+def test_a_pinned_recomputation_is_checked_and_taken_as_it_is():
+    net = lambda: nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])  # noqa: E731
+    with pytest.raises(ValueError, match="3 entries for 4 stages"):
+        RoundPipe(net(), device="cpu", recompute=[True, False, False])
+    with pytest.raises(ValueError, match="stages that are planned"):
+        RoundPipe(net(), device="cpu", layers_per_stage="auto", recompute=[True] * 4)
+    with pytest.raises(ValueError, match=r"recompute\[-1\] must be False.*last stage"):
+        RoundPipe(net(), device="cpu", layers_per_stage=2, recompute=[False, True])
+    model = RoundPipe(net(), device="cpu", layers_per_stage=[1, 2, 1],
+                      recompute=[True, False, False])
+    assert model.plan().recompute == (True, False, False) and model.plan().kept
+    assert "stage 1 keep" in model.plan().reason and "stage 0 recompute" in model.plan().reason
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=nn.functional.mse_loss)
+    assert model.plan().recompute == (True, False, False)
+    assert model.pipeline_stats()["plan_revisions"] == 0
 
 
 def test_plan_says_which_stages_recompute_and_why():

@@ -561,11 +561,15 @@ def describe_recompute(recompute: Sequence[bool], mode: object, kept: Sequence[b
     if mode is False:
         return "no stage recomputes: every stage keeps autograd's saved tensors until its " \
                "backward (recompute=False)"
+    kept = [s for s, k in enumerate(kept) if k]
+    if not isinstance(mode, str):  # a sequence: pinned
+        parts = ([f"{_ranges(kept)} keep autograd's saved tensors until their backward"] * bool(kept)
+                 + [f"{_ranges(recomputed)} recompute"] * bool(recomputed))
+        return ", ".join(parts or ["no stage recomputes"]) + " (recompute pinned)"
     within = "" if peak is None else \
         f" (the plan holds {format_bytes(peak)} of a {format_bytes(budget_bytes)} budget{share})"
     if not recomputed:
         return "no stage recomputes: every stage's saved tensors fit" + within
-    kept = [s for s, k in enumerate(kept) if k]
     if not kept:
         return (f"{_ranges(recomputed)} recompute: keeping the saved tensors of any of them "
                 "would exceed the budget or save no time" + within)

@@ -28,7 +28,9 @@
   recomputing;
 - ``True``: every stage but the last recomputes (nothing is measured for it);
 - ``False``: no stage recomputes (the planner plans stages that fit with every stage kept, or
-  refuses naming the bytes).
+  refuses naming the bytes);
+- with fixed stages, one bool per stage (a pinned plan: ``layers_per_stage=plan().sizes,
+  recompute=plan().recompute``).
 
 A plan changes only between calls, once the optimizer work already queued is done (it refers
 to the stages it was queued for).
@@ -89,17 +91,31 @@ def parse(layers_per_stage: Any, memory_budget: Any, num_layers: int,
                      f"layers per stage, got {layers_per_stage!r}")
 
 
-def parse_recompute(recompute: Any) -> Any:
-    """``RoundPipe``'s ``recompute``, checked: ``"auto"``, ``True`` or ``False``.
+def parse_recompute(recompute: Any, fixed: Optional[Sequence[int]]) -> Any:
+    """``RoundPipe``'s ``recompute``, checked: ``"auto"``, ``True``, ``False``, or with fixed
+    stages (``fixed``: their sizes, from :func:`parse`) a sequence of bools, one per stage (a
+    pinned plan's ``plan().recompute``; the last stage's False: it never recomputes), returned
+    as a tuple.
 
     Raises:
         ValueError: anything else (naming ``recompute`` and what it got).
     """
     if isinstance(recompute, bool) or (isinstance(recompute, str) and recompute == "auto"):
         return recompute
+    if isinstance(recompute, (list, tuple)) and all(isinstance(r, bool) for r in recompute):
+        if fixed is None or len(recompute) != len(fixed):
+            raise ValueError(
+                f"RoundPipe: recompute as a sequence gives each stage of a fixed layers_per_stage "
+                f"its setting: {len(recompute)} entries for "
+                + (f"{len(fixed)} stages" if fixed else "stages that are planned ('auto')"))
+        if recompute and recompute[-1]:
+            raise ValueError("RoundPipe: recompute[-1] must be False: the last stage runs "
+                             "forward, loss and backward in one visit and never recomputes")
+        return tuple(recompute)
     raise ValueError("RoundPipe: recompute must be 'auto' (recompute only where the memory "
-                     "budget requires it), True (every stage but the last recomputes) or False "
-                     f"(none does), got {recompute!r}")
+                     "budget requires it), True (every stage but the last recomputes), False "
+                     "(none does) or, with fixed stages, one bool per stage, got "
+                     f"{recompute!r}")
 
 
 def device_memory(devices: Sequence[torch.device]) -> int:
@@ -181,7 +197,7 @@ class Staging:
         self.num_devices = len(devices)
         fixed, self.memory_budget = parse(layers_per_stage, memory_budget, self.num_layers,
                                           devices[0].type)
-        self.recompute = parse_recompute(recompute)
+        self.recompute = parse_recompute(recompute, fixed)
         self.auto = fixed is None
         # planned from measurements: the stages, or which fixed stages recompute
         self.measured = self.auto or self.recompute == "auto"
@@ -206,13 +222,16 @@ class Staging:
             if self.recompute == "auto":
                 reason += "; every stage but the last recomputes in the first training call, " \
                           "while every layer is measured (recompute='auto')"
-        flags = tuple(self.recompute is not False and s < len(sizes) - 1
-                      for s in range(len(sizes)))
+        flags = self.recompute if isinstance(self.recompute, tuple) else \
+            tuple(self.recompute is not False and s < len(sizes) - 1 for s in range(len(sizes)))
+        self.static = [_layer_bytes(layer) for layer in layers]
         if self.recompute != "auto":
-            reason += "; " + describe_recompute(flags, self.recompute)
+            first = next((i for i, b in enumerate(self.static) if b.numel), self.num_layers - 1)
+            kept = [not r and a + n > first and s < len(sizes) - 1
+                    for s, (a, n, r) in enumerate(zip(StagePlan(sizes).starts, sizes, flags))]
+            reason += "; " + describe_recompute(flags, self.recompute, kept)
         self.plan = StagePlan(sizes, budget_bytes=self.budget_bytes, reason=reason,
                               kept=not self.measured, recompute=flags)
-        self.static = [_layer_bytes(layer) for layer in layers]
         self.meter = LayerMeter(self.num_layers)
         self.settled = not self.measured
         self.plans_made = 0

@@ -103,8 +103,10 @@ class RoundPipe(nn.Module):
             stages it can within ``memory_budget`` and recomputes the rest; on the CPU device,
             whose budget is a share of the machine's RAM, a model that fits trains without
             recomputing), ``True`` (every stage but the last recomputes: the least device
-            memory) or ``False`` (no stage does). Results do not depend on it, bit for bit.
-            :meth:`plan` says which stages recompute and why.
+            memory), ``False`` (no stage does) or, with fixed ``layers_per_stage``, one bool per
+            stage (``recompute=plan().recompute`` pins a plan with ``layers_per_stage=
+            plan().sizes``). Results do not depend on it, bit for bit. :meth:`plan` says which
+            stages recompute and why.
         num_microbatch: default number of microbatches per call (default: number of devices + 1,
             at most the batch size). Results do not depend on the number of devices, for a
             given number of microbatches.
@@ -155,7 +157,7 @@ class RoundPipe(nn.Module):
             dtype, ``layers_per_stage`` is not ``"auto"``, an int >= 1 or layer counts summing
             to the number of layers (or puts a layer the model needs out of the last stage
             there), ``memory_budget`` is not a fraction or bytes, ``recompute`` is not
-            ``"auto"``, True or False, a layer alone needs more than half of the budget (with
+            ``"auto"``, True, False or one bool per fixed stage (the last False), a layer alone needs more than half of the budget (with
             ``"auto"``, at the call that plans; with ``recompute=False``, the kept stages
             together more than the budget),
             ``num_microbatch`` is < 1, ``device`` is an empty
@@ -213,8 +215,8 @@ class RoundPipe(nn.Module):
         checked = check_layers(model, layers) if layers is not None else None
         devices = parse_devices(device)
         num_layers = len(checked) if checked is not None else len(split_layers(model))
-        staging.parse(layers_per_stage, memory_budget, num_layers, devices[0].type)
-        staging.parse_recompute(recompute)
+        fixed, _ = staging.parse(layers_per_stage, memory_budget, num_layers, devices[0].type)
+        staging.parse_recompute(recompute, fixed)
         self._comm = None
         if process_group is not None:
             self._comm = Comm(process_group, grad_reduction, shard_optimizer, Stats())

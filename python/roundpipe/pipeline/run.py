@@ -124,28 +124,32 @@ class Pass:
         pass before (:attr:`carried`) was counted there."""
         weight = grad = 0
         firsts = {v for v, _ in self.carried.values()}
+        floors: dict[int, tuple[int, int]] = {}
         for v in self.order:
             if v in firsts:
                 firsts.discard(v)
                 continue
-            w, g = self._visit_floor(v)
+            if v.stage not in floors:
+                floors[v.stage] = self._stage_floor(v.stage)
+            w, g = floors[v.stage]
             weight += 0 if v.backward and v.kept else w  # a kept stage's weights: uploaded once
-            grad += g
+            grad += g if v.backward else 0
         self.stats.add("weight_floor_bytes", weight)
         self.stats.add("param_grad_floor_bytes", grad)
 
-    def _visit_floor(self, v: Visit) -> tuple[int, int]:
-        """Bytes of weights a visit uploads and of parameter gradients it downloads, at least."""
+    def _stage_floor(self, s: int) -> tuple[int, int]:
+        """Bytes of weights a visit of stage ``s`` uploads and of parameter gradients its
+        backward visit downloads, at least."""
         M = len(self.spec.microbatches)
         weight = grad = 0
         seen = set()
-        for li in self.layout.stages[v.stage].layers:
+        for li in self.layout.stages[s].layers:
             for ref in self.layout.refs[li]:
                 if ref.is_buffer or id(ref.host) in seen:
                     continue
                 seen.add(id(ref.host))
                 weight += ref.host.numel() * ref.host.element_size()
-                if v.backward and ref.index is not None and ref.host.requires_grad:
+                if ref.index is not None and ref.host.requires_grad:
                     grad += ref.host.numel() * min(M * ref.host.element_size(), 4)
         return weight, grad
 
@@ -170,6 +174,7 @@ class Pass:
             self.kept.clear()  # a failed pass's kept stages
             for d in used:
                 self.ios[d].finish()
+                self.ios[d].flush_counts()
         if self.spec.upload_ahead and self.spec.carry is not None:
             self._upload_ahead(runners)
 
@@ -180,9 +185,10 @@ class Pass:
         for d, runner in runners.items():
             with self.ios[d].activate():
                 item = runner.fetcher.upload_ahead()
+            self.ios[d].flush_counts()
             if item is not None:
                 self.spec.carry[d] = item
-                self.stats.add("weight_floor_bytes", self._visit_floor(item[0])[0])
+                self.stats.add("weight_floor_bytes", self._stage_floor(item[0].stage)[0])
 
     def stage_input_done(self, s: int) -> bool:
         """Whether nothing reads stage ``s``'s inputs after its forward visit."""
@@ -237,9 +243,10 @@ class _DeviceRun:
         p, abort, s = self.pass_, self.abort, v.stage
         kind = "output" if s == len(p.layout.stages) - 1 else "activation"
         run = visit.keep_one_chunk if v.kept else visit.forward_one_chunk
+        done = p.stage_input_done(s)
         for m in range(len(p.spec.microbatches)):
             tree, event = p.acts[s][m].get(abort)
-            if p.stage_input_done(s):
+            if done:
                 p.acts[s][m].clear_value()
             p.acts[s + 1][m].set(run(m, tree, event, kind))
             tree = None

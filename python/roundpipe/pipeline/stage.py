@@ -15,8 +15,11 @@ the schedule's executor (:mod:`roundpipe.pipeline.run`), as ``torch.distributed.
   backward (:meth:`StageVisit.backward_kept_chunk`), each microbatch's graph freed after it.
 
 Stage inputs that need a gradient (floating tensors, when an earlier stage has trainable
-parameters) become leaves that collect it; the layers see a non-leaf alias of each (no copy),
-so a layer may modify its input in place as it could in plain PyTorch.
+parameters) become leaves that collect it; the layers see a copy of each made by autograd
+(``clone``, whose backward passes the gradient through in C++), so a layer may modify its input
+in place as it could in plain PyTorch. (An alias made by a custom ``autograd.Function`` avoided
+the copy, but its backward ran Python in the autograd engine for every stage and microbatch: it
+cost more than a small layer's compute.)
 """
 
 from __future__ import annotations
@@ -108,18 +111,6 @@ class PassSpec:
     upload_ahead: bool = False
 
 
-class _StageInput(torch.autograd.Function):
-    """Identity from a leaf to a non-leaf sharing its memory (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 def _weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
     """``loss`` times its microbatch's share of the batch, in float32 at least (a bf16 or fp16
     loss would round the share); a share of 0 gives an exact 0 and zero gradients, also for a
@@ -131,7 +122,7 @@ def _weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
 
 
 def _leaves(tree: Any) -> list:
-    return tree_flatten(tree)[0]
+    return [tree] if type(tree) is torch.Tensor else tree_flatten(tree)[0]
 
 
 class StageVisit:
@@ -196,21 +187,21 @@ class StageVisit:
 
     def _grad_input(self, host_input: Any, event: Any) -> tuple[Any, list, int]:
         """Microbatch input on the device for a run with autograd: with :attr:`input_grad`, its
-        floating leaves require grad and the layers see non-leaf aliases of them. Returns the
-        tree, ``(leaf index, leaf)`` of the leaves that collect a gradient, and the count of
-        leaves."""
+        floating leaves require grad and the layers see copies of them made by autograd (see
+        the module docstring). Returns the tree, ``(leaf index, leaf)`` of the leaves that
+        collect a gradient, and the count of leaves."""
         x = self.io.to_device(host_input, event, "activation")
         self.io.throttle()
         if not self.input_grad:
             return x, [], 0
-        leaves, spec_tree = tree_flatten(x)
+        single = type(x) is torch.Tensor  # the usual stage input: no tree to walk
+        leaves, spec_tree = ([x], None) if single else tree_flatten(x)
         grad_leaves = []
         for k, t in enumerate(leaves):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
-                t.requires_grad_(True)
-                grad_leaves.append((k, t))
-                leaves[k] = _StageInput.apply(t)
-        return tree_unflatten(leaves, spec_tree), grad_leaves, spec_tree.num_leaves
+                grad_leaves.append((k, t.requires_grad_(True)))
+                leaves[k] = t.clone()
+        return (leaves[0] if single else tree_unflatten(leaves, spec_tree)), grad_leaves, len(leaves)
 
     def _input_grads(self, grad_leaves: list, num_leaves: int) -> tuple[Any, Any]:
         """The gradient of the stage input on the host (a list aligned with its leaves) and
@@ -252,8 +243,7 @@ class StageVisit:
         Returns a dict with ``input_grad`` (only when :attr:`input_grad`)."""
         y, grad_leaves, num_leaves = self.graphs[m]
         self.graphs[m] = None
-        with torch.enable_grad():
-            self._backward_from(m, y, grad_output)
+        self._backward_from(m, y, grad_output)  # the graph is built: no grad mode needed
         y = None  # noqa: F841
         return {"input_grad": self._input_grads(grad_leaves, num_leaves)} if self.input_grad else {}
 

@@ -45,7 +45,7 @@ class CpuIO(DeviceIO):
         return t.detach()
 
     def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+        return t.detach()
 
     def _begin_upload(self) -> None:
         self._upload_start = time.perf_counter()
@@ -59,7 +59,7 @@ class CpuIO(DeviceIO):
     def kv_to_device(self, host: torch.Tensor, after) -> torch.Tensor:
         """The host KV entries themselves (counted as if copied): the layer only reads them,
         and nothing writes them during the pass."""
-        self.stats.moved("h2d", "kv", nbytes(host))
+        self._moved("h2d", "kv", nbytes(host))
         return host
 
     def _download_grads(self, sources, norms_sq) -> GradDownload:
