@@ -544,8 +544,10 @@ class RoundPipe(nn.Module):
         The batch is split into microbatches (dim 0 of every batched tensor of ``input_args``,
         ``input_kwargs`` and ``label``, or ``split_fn``). The forward pass runs stage by stage,
         each stage's weights copied to its device for the stage and dropped after, keeping only
-        the stage inputs (on the host). The backward pass runs the stages in reverse, recomputing
-        each stage's forward (same randomness) before its backward. The loss of microbatch ``i``
+        the stage inputs (on the host), except for the stages that keep their weights and
+        autograd's saved tensors to their backward (``recompute``, :meth:`plan`). The backward
+        pass runs the stages in reverse, recomputing each other stage's forward (same
+        randomness) before its backward. The loss of microbatch ``i``
         is ``loss_fn(output_i, label_i)`` (``loss_fn(output_i)`` when ``label`` is None). With
         several devices, stage ``s`` runs on ``devices[s % len(devices)]``, all microbatches of
         it there, and the devices work on different stages at the same time (a pipeline).
