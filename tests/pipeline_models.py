@@ -4,6 +4,9 @@
   ``batchnorm``, ``tanh_net``) and tiny Hugging Face causal LMs built from a config
   (``causal_lm``: no hub);
 - data (``data``) and the loss written as for plain PyTorch (``loss_fn``);
+- ``small_device(nbytes)``: a device of ``nbytes`` for a wrapper made inside it (an int
+  ``memory_budget`` under 1 MiB is refused, so tiny models are planned under
+  ``memory_budget=1.0`` of a device that small);
 - the reference: ``reference_forward_backward`` (microbatches with gradient accumulation, each
   layer seeded as RoundPipe documents) and ``assert_params_equal``.
 
@@ -13,11 +16,24 @@ Tests import it by name (pytest puts tests/ on ``sys.path``; child interpreters 
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 from torch import nn
 
 from roundpipe import layer_seed
+
+@contextlib.contextmanager
+def small_device(nbytes: int):
+    """While the block runs, every device has ``nbytes`` of memory for the wrappers made in it
+    (their budget is taken at construction): ``memory_budget=1.0`` is then ``nbytes``."""
+    import roundpipe.staging
+
+    with mock.patch.object(roundpipe.staging, "device_memory", lambda devices: nbytes):
+        yield
+
 
 # --- small sequential models ----------------------------------------------------------------
 

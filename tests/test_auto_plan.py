@@ -41,12 +41,18 @@ def _train(model: RoundPipe, calls: int, batch: int = 12):
     return losses
 
 
-def test_the_cpu_default_stays_one_layer_per_stage():
+def test_the_cpu_default_stays_one_layer_per_stage_and_recomputes_nothing_that_fits():
+    """One layer per stage, fixed; the first call recomputes every stage but the last while it
+    measures, then every stage keeps its saved tensors (the machine's RAM holds them): the
+    plan changes once, its stages never."""
     model = RoundPipe(_net(), device="cpu")
     assert model.plan().sizes == (1,) * 6 and "fixed" in model.plan().reason
-    assert model.plan().kept
+    assert model.plan().recompute == (True,) * 5 + (False,) and not model.plan().kept
     _train(model, 2)
-    assert model.plan().sizes == (1,) * 6 and model.pipeline_stats()["plan_revisions"] == 0
+    plan = model.plan()
+    assert plan.sizes == (1,) * 6 and plan.recompute == (False,) * 6 and plan.kept
+    assert "fixed" in plan.reason and "no stage recomputes" in plan.reason
+    assert model.pipeline_stats()["plan_revisions"] == 1
 
 
 def test_auto_plans_from_the_first_call_and_settles():

@@ -39,6 +39,9 @@ def test_pipeline_benchmark_runs_on_cpu_workers(tmp_path):
     for mode in ("sync", "async", "exact", "exact+clip", "torch"):
         assert f"{mode}: " in r.stdout and "the tokens/s of overlap off (" in r.stdout
     assert "off: " in r.stdout and "the tokens/s of torch with the same recomputation (" in r.stdout
+    assert "sync: " in r.stdout and "the tokens/s of plain torch (no recomputation) (" in r.stdout
+    # the CPU device's default: one layer per stage, none recomputing once measured
+    assert "sync: stages [1, 1, 1, 1, 1], recomputing none" in r.stdout
     # the same training as plain PyTorch (fp32 on the CPU; async is one step stale)
     loss = {row["mode"]: row["final_loss"] for row in rows}
     assert loss["off"] == pytest.approx(loss["torch"], rel=1e-4)

@@ -4,8 +4,10 @@ every tensor the device I/O returned, and a GPU run only confirms it (``tests/te
 
 The rule (docs/overlap.md): on each device, at most two stages' weights (the one computing and
 the next one's prefetch), one stage's gradient sums and one microbatch's activations (the one
-being issued, beside the one computing) are alive; nothing a call put on a device outlives the
-call, and nothing accumulates call after call. Python's cyclic collector is switched off while
+being issued, beside the one computing) are alive, plus what the stages that do not recompute
+keep from their forward visit to their backward visit (their weights and every microbatch's
+input and saved tensors); nothing a call put on a device outlives the call, and nothing
+accumulates call after call. Python's cyclic collector is switched off while
 a test runs, so a reference cycle (which frees device memory only whenever the collector happens
 to run) counts as retention, as it does on a GPU.
 """
@@ -26,7 +28,7 @@ import roundpipe.staging
 from roundpipe import RoundPipe
 from roundpipe.transfer import base as transfer_base
 
-from pipeline_models import causal_lm
+from pipeline_models import causal_lm, small_device
 
 
 class Uploads:
@@ -114,19 +116,31 @@ def _train(model: RoundPipe, mode: str, calls: int, x, y, loss_fn, per_call=None
 MODES = ("sync", "async", "exact")
 
 
+def _kept_per_device(model: RoundPipe) -> int:
+    """The most stages one device keeps from their forward visit to their backward visit."""
+    plan, D = model.plan(), len(model.devices)
+    kept = [0] * D
+    for s in range(len(plan.sizes) - 1):
+        kept[s % D] += not plan.recomputes(s)
+    return max(kept)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("microbatches", [1, 3])
 @pytest.mark.parametrize("devices,prefetch", [(["cpu"], False), (["cpu"], True),
                                               (["cpu", "cpu"], True)])
+@pytest.mark.parametrize("recompute", [True, False])
 def test_at_most_two_stages_of_weights_and_nothing_after_the_call(uploads, mode, microbatches,
-                                                                  devices, prefetch):
+                                                                  devices, prefetch, recompute):
     """8 one-layer stages of a bf16 model with float32 master weights (gradients summed on the
-    device in float32 when there are several microbatches): during each call at most one
-    earlier stage upload is alive on a device when the next is made (two stages resident),
-    one earlier microbatch's activations; after each
-    call and its step nothing is alive, three calls in a row."""
+    device in float32 when there are several microbatches). Every stage recomputing: during
+    each call at most one earlier stage upload is alive on a device when the next is made
+    (two stages resident), one earlier microbatch's activations, and every stage but the last
+    is uploaded twice. No stage recomputing: each stage is uploaded once per call, and what
+    is alive beyond that is what the kept stages hold (their weights, every microbatch's
+    input). After each call and its step nothing is alive, three calls in a row."""
     model = RoundPipe(_mlp().to(torch.bfloat16), optim_dtype=torch.float32, device=devices,
-                      num_microbatch=microbatches, prefetch=prefetch)
+                      num_microbatch=microbatches, prefetch=prefetch, recompute=recompute)
     x, y = torch.randn(12, 32).bfloat16(), torch.randn(12, 4)
     after = []
 
@@ -135,10 +149,33 @@ def test_at_most_two_stages_of_weights_and_nothing_after_the_call(uploads, mode,
         after.append({k: uploads.alive(k) for k in ("weights", "activation")})
 
     _train(model, mode, 3, x, y, lambda o, t: ((o.float() - t) ** 2).mean(), count)
-    assert uploads.total("weights") >= 3 * 8  # the counting saw the uploads
+    kept = _kept_per_device(model)
+    assert kept == (0 if recompute else 7 // len(devices) + (len(devices) == 2))
+    assert uploads.total("weights") == 3 * (8 if kept else 15)  # a kept stage: uploaded once
     assert after == [{"weights": 0, "activation": 0}] * 3
-    assert uploads.most_alive["weights"] <= (1 if prefetch else 0)
-    assert uploads.most_alive["activation"] <= 1
+    assert uploads.most_alive["weights"] <= kept + (1 if prefetch else 0)
+    assert uploads.most_alive["activation"] <= kept * microbatches + 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_bound_follows_planned_recomputation(uploads, mode):
+    """``recompute="auto"`` (the default) with a budget that holds some of the 8 stages'
+    saved tensors but not all: the planner keeps some and recomputes the rest, the plan it
+    prints fits the budget, and what is alive follows it (the kept stages' weights and inputs
+    beside the usual two stages and one microbatch), nothing after the call."""
+    with small_device(45_000):
+        model = RoundPipe(_mlp().to(torch.bfloat16), optim_dtype=torch.float32, device="cpu",
+                          num_microbatch=3, memory_budget=1.0)
+    x, y = torch.randn(12, 32).bfloat16(), torch.randn(12, 4)
+    _train(model, mode, 4, x, y, lambda o, t: ((o.float() - t) ** 2).mean())
+    plan, kept = model.plan(), _kept_per_device(model)
+    assert 0 < kept < 7 and "recompute" in plan.reason and "keep" in plan.reason, plan
+    held = [b for s, b in enumerate(plan.stage_bytes[:-1]) if not plan.recomputes(s)]
+    streamed = [b for s, b in enumerate(plan.stage_bytes) if plan.recomputes(s)]
+    assert sum(held) + 2 * max(streamed + [plan.stage_bytes[-1]]) <= 45_000
+    assert uploads.alive("weights") == 0 and uploads.alive("activation") == 0
+    assert uploads.most_alive["weights"] <= kept + 1
+    assert uploads.most_alive["activation"] <= 3 * kept + 1
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -152,18 +189,22 @@ def test_the_bound_follows_an_automatic_plan(uploads, mode, monkeypatch):
     _train(model, mode, 4, x, y, lambda o, t: ((o.float() - t) ** 2).mean())
     assert 1 < len(model.plan().sizes) < 8 and max(model.plan().sizes) > 1
     assert uploads.alive("weights") == 0 and uploads.alive("activation") == 0
-    assert uploads.most_alive["weights"] <= 1 and uploads.most_alive["activation"] <= 1
+    kept = _kept_per_device(model)
+    assert uploads.most_alive["weights"] <= kept + 1
+    assert uploads.most_alive["activation"] <= 3 * kept + 1
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_hugging_face_lora_model_keeps_nothing_after_the_call(uploads, mode):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_hugging_face_lora_model_keeps_nothing_after_the_call(uploads, mode, recompute):
     """A tiny Llama with LoRA adapters (frozen base, trainable adapters), bf16, three
     microbatches: the same bound over its embedding, decoder layers and head."""
     peft = pytest.importorskip("peft")
     import roundpipe
     net = causal_lm("llama", num_hidden_layers=3).to(torch.bfloat16)
     net = peft.get_peft_model(net, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    model = roundpipe.wrap_model_to_roundpipe(net, torch.float32, num_microbatch=3, device="cpu")
+    model = roundpipe.wrap_model_to_roundpipe(net, torch.float32, num_microbatch=3, device="cpu",
+                                              recompute=recompute)
     opt = rpo.AdamW(model.optim_parameters(), lr=1e-3, eps=1e-3)
     ids = torch.randint(0, 101, (6, 12), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
@@ -176,15 +217,18 @@ def test_hugging_face_lora_model_keeps_nothing_after_the_call(uploads, mode):
         model.synchronize()
         assert uploads.alive("weights") == 0
         assert uploads.alive("activation") == 0
-    assert uploads.most_alive["weights"] <= 1
-    assert uploads.most_alive["activation"] <= 1
+    kept = 0 if recompute else 3  # 3 decoder layers; the frozen embedding has no backward visit
+    assert model.plan().recompute == ((True,) * 4 if recompute else (False,) * 4) + (False,)
+    assert uploads.most_alive["weights"] <= kept + 1
+    assert uploads.most_alive["activation"] <= 3 * kept + 1
 
 
-def test_a_failed_call_keeps_nothing(uploads):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_a_failed_call_keeps_nothing(uploads, recompute):
     """A loss_fn raising in the backward of the last stage: the error reaches the caller and
     nothing the call uploaded stays alive (the traceback does not hold the stage)."""
     model = RoundPipe(_mlp().to(torch.bfloat16), optim_dtype=torch.float32, device="cpu",
-                      num_microbatch=3)
+                      num_microbatch=3, recompute=recompute)
     x, y = torch.randn(12, 32).bfloat16(), torch.randn(12, 4)
 
     def bad_loss(o, t):

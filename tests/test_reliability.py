@@ -238,16 +238,22 @@ def test_async_step_with_gradient_accumulation_uses_one_weight_version_per_step(
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_failed_pass_in_asynchronous_mode_changes_nothing():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_a_failed_pass_in_asynchronous_mode_changes_nothing(recompute):
     torch.manual_seed(0)
-    model = RoundPipe(mlp(), device=["cpu", "cpu"], num_microbatch=2)
+    model = RoundPipe(mlp(), device=["cpu", "cpu"], num_microbatch=2, recompute=recompute)
     twin = copy.deepcopy(model)
     opts = [rpo.Adam(m.optim_parameters(), lr=1e-2, eps=1e-2) for m in (model, twin)]
     fail = {"on": False}
-    # fails in the recomputation of the first stage: every later stage's backward is done
-    hook = model.module[0].register_forward_hook(
-        lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
-        if fail["on"] and roundpipe.doing_recompute() else None)
+    # fails in the first stage's backward visit (its recomputation, or with its saved tensors
+    # kept, its backward): every later stage's backward is done
+    boom = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))  # noqa: E731
+    if recompute:
+        hook = model.module[0].register_forward_hook(
+            lambda *a: boom() if fail["on"] and roundpipe.doing_recompute() else None)
+    else:
+        hook = model.module[0].register_full_backward_hook(
+            lambda *a: boom() if fail["on"] else None)
     for step in range(4):
         x, y = data("mlp", step)
         for m, o in zip((model, twin), opts):

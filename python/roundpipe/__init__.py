@@ -31,6 +31,7 @@ _EXPORTS = {
     "save_checkpoint": ".checkpoint",
     "save_for_recompute": ".recompute",
     "split_microbatches": ".microbatch",
+    "will_recompute": ".recompute",
     "wrap_model_to_roundpipe": ".hf",
 }
 

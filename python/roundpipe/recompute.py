@@ -15,13 +15,17 @@ first run::
             roundpipe.save_for_recompute(choice)
         ...
 
-Data is kept per layer and microbatch on the host until the backward pass has used it.
+Data is kept per layer and microbatch on the host until the backward pass has used it. A stage
+that does not recompute (it keeps autograd's saved tensors to its backward, see
+:mod:`roundpipe.planner`) runs each layer once, with autograd, as the last stage and inference
+do: :func:`doing_recompute` is False there, :func:`will_recompute` too, and what
+:func:`save_for_recompute` is given is dropped.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Optional
 
 _local = threading.local()
 
@@ -38,9 +42,10 @@ class _Slot:
 
 
 class running:
-    """Internal: marks the layer and microbatch running in this thread (a context manager)."""
+    """Internal: marks the layer and microbatch running in this thread (a context manager);
+    ``store`` None: no recomputation follows this run (nothing is kept)."""
 
-    def __init__(self, store: dict, key: tuple, recompute: bool) -> None:
+    def __init__(self, store: Optional[dict], key: tuple, recompute: bool) -> None:
         self.slot = _Slot(recompute, store, key)
 
     def __enter__(self):
@@ -57,10 +62,20 @@ def doing_recompute() -> bool:
     return slot is not None and slot.recompute
 
 
+def will_recompute() -> bool:
+    """True while a RoundPipe layer runs a forward that its backward pass will recompute (what
+    :func:`save_for_recompute` is given is then kept); False in the recomputation itself, in a
+    stage that keeps its saved tensors instead, in the last stage and outside training."""
+    slot = getattr(_local, "slot", None)
+    return slot is not None and not slot.recompute and slot.store is not None
+
+
 def save_for_recompute(*data: Any) -> None:
     """Keeps ``data`` for the recomputation of the calling layer on the current microbatch
     (returned there by :func:`get_recompute_data`). Tensors are kept as given: detach or move
-    them to the host yourself if they are large device tensors.
+    them to the host yourself if they are large device tensors. Where no recomputation follows
+    (:func:`will_recompute` is False: a stage that keeps its saved tensors, the last stage,
+    inference), nothing is kept.
 
     Raises:
         RuntimeError: outside a RoundPipe forward pass, or during a recomputation.
@@ -71,7 +86,8 @@ def save_for_recompute(*data: Any) -> None:
     if slot.recompute:
         raise RuntimeError("save_for_recompute() called during recomputation; "
                            "check doing_recompute() first")
-    slot.store[slot.key] = data
+    if slot.store is not None:
+        slot.store[slot.key] = data
 
 
 def get_recompute_data() -> tuple:

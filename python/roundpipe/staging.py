@@ -17,6 +17,21 @@
   at the same calls (the ranks' collectives follow the stages), and a kept plan is not
   revised.
 
+``recompute`` (``RoundPipe(...)``), which stages recompute their forward in the backward pass
+(:mod:`roundpipe.planner`: the others keep autograd's saved tensors from their forward visit):
+
+- ``"auto"`` (the default): the first training call recomputes every stage but the last while
+  every layer is measured; then the planner keeps the stages whose recomputation costs the most
+  time per byte, as long as the plan fits ``memory_budget`` (with ``layers_per_stage="auto"``
+  together with the stages; with fixed stages once, after the first call). On the CPU device the
+  budget is a share of the machine's RAM, so a model whose activations fit trains without
+  recomputing;
+- ``True``: every stage but the last recomputes (nothing is measured for it);
+- ``False``: no stage recomputes (the planner plans stages that fit with every stage kept, or
+  refuses naming the bytes);
+- with fixed stages, one bool per stage (a pinned plan: ``layers_per_stage=plan().sizes,
+  recompute=plan().recompute``).
+
 A plan changes only between calls, once the optimizer work already queued is done (it refers
 to the stages it was queued for).
 """
@@ -33,8 +48,9 @@ from torch import nn
 
 from .pipeline.meter import LayerMeter, PassMeter, microbatch_elements
 from .plan import uniform_sizes
-from .planner import (LayerCost, Link, StagePlan, check_sizes, format_bytes, plan_stages,
-                      stage_bytes)
+from .planner import (LayerCost, Link, StagePlan, check_sizes, choose_recompute,
+                      describe_recompute, format_bytes, kept_stages, plan_bytes, plan_stages,
+                      predict)
 
 #: plans made from measurements before the plan is kept even if it still changes
 SETTLE_CALLS = 4
@@ -84,6 +100,33 @@ def parse(layers_per_stage: Any, memory_budget: Any, num_layers: int,
             memory_budget
     raise ValueError("RoundPipe: layers_per_stage must be 'auto', an int >= 1 or a sequence of "
                      f"layers per stage, got {layers_per_stage!r}")
+
+
+def parse_recompute(recompute: Any, fixed: Optional[Sequence[int]]) -> Any:
+    """``RoundPipe``'s ``recompute``, checked: ``"auto"``, ``True``, ``False``, or with fixed
+    stages (``fixed``: their sizes, from :func:`parse`) a sequence of bools, one per stage (a
+    pinned plan's ``plan().recompute``; the last stage's False: it never recomputes), returned
+    as a tuple.
+
+    Raises:
+        ValueError: anything else (naming ``recompute`` and what it got).
+    """
+    if isinstance(recompute, bool) or (isinstance(recompute, str) and recompute == "auto"):
+        return recompute
+    if isinstance(recompute, (list, tuple)) and all(isinstance(r, bool) for r in recompute):
+        if fixed is None or len(recompute) != len(fixed):
+            raise ValueError(
+                f"RoundPipe: recompute as a sequence gives each stage of a fixed layers_per_stage "
+                f"its setting: {len(recompute)} entries for "
+                + (f"{len(fixed)} stages" if fixed else "stages that are planned ('auto')"))
+        if recompute and recompute[-1]:
+            raise ValueError("RoundPipe: recompute[-1] must be False: the last stage runs "
+                             "forward, loss and backward in one visit and never recomputes")
+        return tuple(recompute)
+    raise ValueError("RoundPipe: recompute must be 'auto' (recompute only where the memory "
+                     "budget requires it), True (every stage but the last recomputes), False "
+                     "(none does) or, with fixed stages, one bool per stage, got "
+                     f"{recompute!r}")
 
 
 def device_memory(devices: Sequence[torch.device]) -> int:
@@ -141,7 +184,8 @@ def _layer_bytes(layer: nn.Module) -> _LayerBytes:
 
 
 class Staging:
-    """The stages of one RoundPipe: fixed, or planned and revised (see the module docstring).
+    """The stages of one RoundPipe and which of them recompute: fixed, or planned and revised
+    (see the module docstring).
 
     Args:
         layers: the pipeline's layers.
@@ -150,45 +194,64 @@ class Staging:
         min_last_start: the last stage may not start before this layer (a Hugging Face MoE
             model with its auxiliary loss keeps its MoE layers out of the last stage).
         fence_reason: why, for the error a fixed plan breaking it gets.
+        recompute: as given to ``RoundPipe`` (see :func:`parse_recompute`).
 
     Raises:
-        ValueError: see :func:`parse`; a fixed plan whose last stage starts before
-            ``min_last_start``.
+        ValueError: see :func:`parse` and :func:`parse_recompute`; a fixed plan whose last
+            stage starts before ``min_last_start``.
     """
 
     def __init__(self, layers: Sequence[nn.Module], devices: Sequence[torch.device],
                  layers_per_stage: Any, memory_budget: Any, min_last_start: int = 0,
-                 fence_reason: str = "") -> None:
+                 fence_reason: str = "", recompute: Any = "auto") -> None:
         self.num_layers = len(layers)
         self.num_devices = len(devices)
         fixed, self.memory_budget = parse(layers_per_stage, memory_budget, self.num_layers,
                                           devices[0].type)
+        self.recompute = parse_recompute(recompute, fixed)
         self.auto = fixed is None
+        # planned from measurements: the stages, or which fixed stages recompute
+        self.measured = self.auto or self.recompute == "auto"
         self.min_last_start = min_last_start
         self.budget_bytes: Optional[int] = None
-        if self.auto:
+        if self.measured:
             self.budget_bytes = (self.memory_budget if isinstance(self.memory_budget, int)
                                  else int(self.memory_budget * device_memory(devices)))
-            self.plan = StagePlan(uniform_sizes(self.num_layers, 1), budget_bytes=self.budget_bytes,
-                                  reason="auto: one layer per stage for the first training call, "
-                                         "while every layer is measured")
+        if self.auto:
+            sizes = uniform_sizes(self.num_layers, 1)
+            reason = "auto: one layer per stage for the first training call, while every layer " \
+                     "is measured"
         else:
             last = self.num_layers - fixed[-1]
             if last < min(min_last_start, self.num_layers - 1):
                 raise ValueError(
                     f"RoundPipe: with layers_per_stage={layers_per_stage!r} the last stage "
                     f"starts at layer {last}, before layer {min_last_start}: {fence_reason}")
-            self.plan = StagePlan(fixed, reason=f"layers_per_stage={layers_per_stage!r} (fixed)",
-                                  kept=True)
+            sizes, reason = fixed, (f"layers_per_stage={layers_per_stage!r} (fixed)"
+                                    if layers_per_stage is not None else
+                                    "layers_per_stage=1 (fixed: the CPU device's default)")
+            if self.recompute == "auto":
+                reason += "; every stage but the last recomputes in the first training call, " \
+                          "while every layer is measured (recompute='auto')"
+        flags = self.recompute if isinstance(self.recompute, tuple) else \
+            tuple(self.recompute is not False and s < len(sizes) - 1 for s in range(len(sizes)))
         self.static = [_layer_bytes(layer) for layer in layers]
+        if self.recompute != "auto":
+            first = next((i for i, b in enumerate(self.static) if b.numel), self.num_layers - 1)
+            kept = [not r and a + n > first and s < len(sizes) - 1
+                    for s, (a, n, r) in enumerate(zip(StagePlan(sizes).starts, sizes, flags))]
+            reason += "; " + describe_recompute(flags, self.recompute, kept)
+        self.plan = StagePlan(sizes, budget_bytes=self.budget_bytes, reason=reason,
+                              kept=not self.measured, recompute=flags)
         self.meter = LayerMeter(self.num_layers)
-        self.settled = not self.auto
+        self.settled = not self.measured
         self.plans_made = 0
         self.measured_elements = 0
+        self._fitting: Optional[tuple[int, int]] = None  # the last (M, elements) that fit
 
     def planning(self) -> bool:
         """Whether the next training call is planned from measurements (the plan settles)."""
-        return self.auto and not self.settled and self.meter.passes > 0
+        return self.measured and not self.settled and self.meter.passes > 0
 
     def meter_for(self, microbatches: list) -> Optional[PassMeter]:
         """A meter for a training pass over ``microbatches`` while the plan settles, else None."""
@@ -210,14 +273,15 @@ class Staging:
         takes.
 
         Raises:
-            ValueError: a layer alone does not fit in half the budget.
+            ValueError: a layer alone does not fit in half the budget; ``recompute=False``
+                and the kept stages do not fit the budget.
         """
-        if not self.auto or self.meter.passes == 0:
+        if not self.measured or self.meter.passes == 0:
             return None
         M = len(microbatches)
         elements = max(microbatch_elements(mb) for mb in microbatches)
         if self.settled:
-            if agree is not None or self._fits(self.plan.sizes, M, elements):
+            if agree is not None or self._fits(M, elements):
                 return None
             plan = self._plan(M, elements, link(), "a larger microbatch than those measured")
         else:
@@ -234,9 +298,10 @@ class Staging:
                 plan = agree(plan)
                 if isinstance(plan, Exception):
                     raise plan
-            if plan.sizes == self.plan.sizes or self.plans_made >= SETTLE_CALLS:
+            if not self.auto or plan.sizes == self.plan.sizes or self.plans_made >= SETTLE_CALLS:
                 self.settled = True
-        if plan.sizes == self.plan.sizes:
+        self._fitting = None
+        if (plan.sizes, plan.recompute) == (self.plan.sizes, self.plan.recompute):
             self.plan = replace(self.plan, predicted_s=plan.predicted_s,
                                 stage_bytes=plan.stage_bytes, reason=plan.reason,
                                 kept=self.settled)
@@ -258,29 +323,50 @@ class Staging:
                 backward = (m.recompute_s[i] if m.recompute_s[i] is not None else forward) + \
                     (m.backward_s[i] or 2 * forward)
             grad = numel * (4 if num_microbatch > 1 else itemsize)
+            with_grad = m.recompute_s[i] if m.recompute_s[i] is not None else forward
+            # fixed_bytes (the chunked loss's gradient) is the last layer's: never a kept stage's
             act = int(math.ceil(m.act_bytes[i] * elements)) + m.fixed_bytes[i]
-            out.append(LayerCost(weights, grad, act,
-                                 forward * elements, backward * elements, numel > 0, uploaded))
+            out.append(LayerCost(weights, grad, act, forward * elements, backward * elements,
+                                 numel > 0, uploaded, min(with_grad, backward) * elements))
         return out
 
     def _plan(self, num_microbatch: int, elements: int, link: Link, why: str) -> StagePlan:
-        plan = plan_stages(self.costs(num_microbatch, elements), num_microbatch,
-                           self.num_devices, self.budget_bytes, link,
-                           [f"layer {i}" for i in range(self.num_layers)], self.min_last_start)
+        layers = self.costs(num_microbatch, elements)
+        M, D = num_microbatch, self.num_devices
         share = "" if isinstance(self.memory_budget, int) else \
-            f" (memory_budget={self.memory_budget} of the device)"
-        n = len(plan.sizes)
-        reason = (f"auto: {self.num_layers} layers in {n} stage{'s' if n > 1 else ''}, each "
-                  f"within half of a {format_bytes(self.budget_bytes)} budget{share}, {why}; "
-                  f"predicted {plan.predicted_s * 1e3:.1f} ms per call of {num_microbatch} "
-                  "microbatches")
+            f", memory_budget={self.memory_budget} of the device"
+        if self.auto:
+            plan = plan_stages(layers, M, D, self.budget_bytes, link,
+                               [f"layer {i}" for i in range(self.num_layers)],
+                               self.min_last_start, self.recompute)
+            n = len(plan.sizes)
+            reason = (f"auto: {self.num_layers} layers in {n} stage{'s' if n > 1 else ''}, each "
+                      f"within half of a {format_bytes(self.budget_bytes)} budget"
+                      f"{f' ({share[2:]})' if share else ''}, {why}")
+        else:  # fixed stages, recompute="auto"
+            sizes = self.plan.sizes
+            flags = choose_recompute(layers, sizes, M, D, self.budget_bytes, link)
+            plan = StagePlan(sizes, predict(layers, sizes, M, D, link, flags),
+                             plan_bytes(layers, sizes, M, D, flags)[1], self.budget_bytes,
+                             recompute=flags)
+            reason = f"{self.plan.reason.split(';')[0]}; recompute planned {why}"
+        peak = plan_bytes(layers, plan.sizes, M, D, plan.recompute)[0]
+        reason += (f"; predicted {plan.predicted_s * 1e3:.1f} ms per call of {M} microbatches; "
+                   + describe_recompute(plan.recompute, self.recompute,
+                                        kept_stages(layers, plan.sizes, plan.recompute), peak,
+                                        self.budget_bytes, share))
         return replace(plan, reason=reason)
 
-    def _fits(self, sizes: Sequence[int], num_microbatch: int, elements: int) -> bool:
+    def _fits(self, num_microbatch: int, elements: int) -> bool:
+        """Whether the plan in effect still fits the budget with these microbatches (an
+        automatic plan: every stage within half the budget, and the whole plan within it;
+        fixed stages: the kept ones within it)."""
+        if self._fitting == (num_microbatch, elements):
+            return True
         layers = self.costs(num_microbatch, elements)
-        start = 0
-        for n in sizes:
-            if stage_bytes(layers, start, start + n) > self.budget_bytes // 2:
-                return False
-            start += n
-        return True
+        sizes, flags = self.plan.sizes, self.plan.recompute
+        peak, _ = plan_bytes(layers, sizes, num_microbatch, self.num_devices, flags)
+        fits = peak <= self.budget_bytes or not (self.auto or any(kept_stages(layers, sizes, flags)))
+        if fits:
+            self._fitting = (num_microbatch, elements)
+        return fits

@@ -25,6 +25,11 @@ unchanged since torch 2.6, the oldest version ``pyproject.toml`` accepts.
   :func:`module_buffers`): a module's own parameters and buffers, entries registered as None
   included: the dicts a layer's tensors are swapped into while it runs (what
   ``torch.func.functional_call`` swaps too, at several times the cost per call).
+- ``torch.autograd.graph._engine_run_backward`` (:func:`run_backward`): the autograd engine's
+  backward, what ``torch.autograd.backward`` calls once it has checked its arguments and made
+  the implicit gradient of a scalar; called once per stage visit and microbatch, where the
+  checks (``_make_grads``, its symbolic-shape comparisons) cost as much as a small layer's
+  backward itself.
 - ``ProcessGroup._get_backend(device).options._timeout`` (:func:`group_timeout`): the timeout a
   user's process group was made with (``init_process_group(timeout=...)``), which the gloo
   group RoundPipe makes for its own collectives inherits; torch has no public getter (when the
@@ -39,12 +44,14 @@ import datetime
 
 import torch
 from torch import nn
+from torch.autograd.graph import _engine_run_backward
 from torch.optim import optimizer as _optimizer
 from torch.utils import _pytree
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["tree_map", "tree_flatten", "tree_unflatten", "step_hooks", "init_hook_registries",
-           "mark_stepped", "tensor_version", "tensor_base", "module_buffers", "group_timeout"]
+           "mark_stepped", "tensor_version", "tensor_base", "module_buffers", "group_timeout",
+           "run_backward"]
 
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     """``torch.utils._pytree.tree_map(fn, tree)``: ``fn`` applied to every leaf, the
@@ -132,3 +139,13 @@ def group_timeout(group: Any) -> datetime.timedelta:
         if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
             return timeout
     return dist.distributed_c10d._get_default_timeout(dist.get_backend(group))
+
+
+def run_backward(tensors: list[torch.Tensor], grads: list) -> None:
+    """``torch.autograd.backward(tensors, grads)`` without its argument checks: ``tensors``
+    require grad, each ``grads[i]`` is a tensor of ``tensors[i]``'s shape, dtype and device,
+    or None for a 1-element ``tensors[i]`` (then its gradient is 1, as torch makes it)."""
+    grads = [torch.ones_like(t, memory_format=torch.preserve_format) if g is None else g
+             for t, g in zip(tensors, grads)]
+    _engine_run_backward(tuple(tensors), tuple(grads), False, False, (),
+                         allow_unreachable=True, accumulate_grad=True)

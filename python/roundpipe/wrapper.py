@@ -92,13 +92,24 @@ class RoundPipe(nn.Module):
             layers per stage) or a sequence of ints (the layers of each stage: a pinned plan,
             e.g. ``plan().sizes``). Default (None): ``"auto"`` on CUDA, 1 on the CPU device.
             :meth:`plan` says which plan is in effect and why.
-        memory_budget: with ``"auto"``, the device memory the pipeline may use on each device:
-            a fraction of the smallest device's memory (default 0.6; CUDA: its total memory
-            times the process's memory fraction; the CPU device: the machine's RAM; a float,
-            ``1.0`` for all of it) or bytes (an int, at least 1 MiB: ``memory_budget=1`` is
-            refused, not taken as one byte). Each stage holds at most half of it (weights,
-            gradient sums, one microbatch's activations), so the next stage uploads while one
-            computes.
+        memory_budget: with ``"auto"`` (stages or ``recompute``), the device memory the
+            pipeline may use on each device: a fraction of the smallest device's memory
+            (default 0.6; CUDA: its total memory times the process's memory fraction; the CPU
+            device: the machine's RAM; a float, ``1.0`` for all of it) or bytes (an int, at
+            least 1 MiB: ``memory_budget=1`` is refused, not taken as one byte). Each stage
+            holds at most half of it (weights, gradient sums, one microbatch's activations),
+            so the next stage uploads while one computes; stages that do not recompute hold
+            theirs, and the saved tensors of every microbatch, on top, within the budget.
+        recompute: which stages recompute their forward in the backward pass (see
+            :mod:`roundpipe.staging`): ``"auto"`` (default: after the first training call,
+            which recomputes and measures, the planner keeps autograd's saved tensors of the
+            stages it can within ``memory_budget`` and recomputes the rest; on the CPU device,
+            whose budget is a share of the machine's RAM, a model that fits trains without
+            recomputing), ``True`` (every stage but the last recomputes: the least device
+            memory), ``False`` (no stage does) or, with fixed ``layers_per_stage``, one bool per
+            stage (``recompute=plan().recompute`` pins a plan with ``layers_per_stage=
+            plan().sizes``). Results do not depend on it, bit for bit. :meth:`plan` says which
+            stages recompute and why.
         num_microbatch: default number of microbatches per call (default: number of devices + 1,
             at most the batch size). Results do not depend on the number of devices, for a
             given number of microbatches.
@@ -159,9 +170,11 @@ class RoundPipe(nn.Module):
         ValueError: a parameter or buffer is not on the CPU, ``optim_dtype`` is not a floating
             dtype, ``layers_per_stage`` is not ``"auto"``, an int >= 1 or layer counts summing
             to the number of layers (or puts a layer the model needs out of the last stage
-            there), ``memory_budget`` is not a fraction or bytes (an int under 1 MiB), a
-            layer alone needs more than half of the budget (with ``"auto"``, at the call that
-            plans),
+            there), ``memory_budget`` is not a fraction or bytes (an int under 1 MiB),
+            ``recompute`` is not ``"auto"``, True, False or one bool per fixed stage (the last
+            False), a layer alone needs more than half of the budget (with ``"auto"``, at the
+            call that plans; with ``recompute=False``, the kept stages together more than the
+            budget),
             ``num_microbatch`` is < 1, ``device`` is an empty
             list, names an unsupported device type or mixes CPU and CUDA, ``pin_memory`` is
             not one of the modes, ``max_resident_bytes`` < 0, ``layers`` is empty or holds a
@@ -188,7 +201,8 @@ class RoundPipe(nn.Module):
                  max_resident_bytes: Optional[int] = None,
                  layers: Optional[Sequence[nn.Module]] = None, process_group: Any = None,
                  shard_optimizer: bool = False, grad_reduction: str = "mean",
-                 frozen_dtype: Optional[str] = None, optimizer_dir: Any = None) -> None:
+                 frozen_dtype: Optional[str] = None, optimizer_dir: Any = None,
+                 recompute: Any = "auto") -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be an nn.Module, got {type(model).__name__}")
@@ -225,13 +239,15 @@ class RoundPipe(nn.Module):
         checked = check_layers(model, layers) if layers is not None else None
         devices = parse_devices(device)
         num_layers = len(checked) if checked is not None else len(split_layers(model))
-        staging.parse(layers_per_stage, memory_budget, num_layers, devices[0].type)
+        fixed, _ = staging.parse(layers_per_stage, memory_budget, num_layers, devices[0].type)
+        staging.parse_recompute(recompute, fixed)
         self._comm = None
         if process_group is not None:
             self._comm = Comm(process_group, grad_reduction, shard_optimizer, Stats())
             self._comm.check_and_broadcast(model, {  # the settings every rank must share
                 "optim_dtype": optim_dtype, "layers_per_stage": layers_per_stage,
-                "memory_budget": memory_budget, "layers": None if layers is None else len(layers)})
+                "memory_budget": memory_budget, "recompute": recompute,
+                "layers": None if layers is None else len(layers)})
         elif grad_reduction not in REDUCTIONS:
             raise ValueError(f"RoundPipe: grad_reduction must be one of {REDUCTIONS}, got "
                              f"{grad_reduction!r}")
@@ -250,7 +266,7 @@ class RoundPipe(nn.Module):
         self._layers = checked if checked is not None else split_layers(model)
         fence, why = self._last_stage_fence(self._layers)
         self._staging = staging.Staging(self._layers, self.devices, layers_per_stage,
-                                        memory_budget, fence, why)
+                                        memory_budget, fence, why, recompute)
         self._stages = make_stages(self._staging.plan.sizes, self.devices)
         self.num_microbatch = num_microbatch or len(self.devices) + 1
         self._split = split_fn or mb.split_microbatches
@@ -282,8 +298,9 @@ class RoundPipe(nn.Module):
 
     def plan(self) -> StagePlan:
         """The stage plan in effect: layers per stage (``plan().sizes``, which
-        ``layers_per_stage=`` accepts to pin it), its predicted call time and device bytes
-        per stage when planned, and the reason (see :mod:`roundpipe.staging`)."""
+        ``layers_per_stage=`` accepts to pin it), which stages recompute
+        (``plan().recompute``), its predicted call time and device bytes per stage when
+        planned, and the reason, recomputation included (see :mod:`roundpipe.staging`)."""
         return self._staging.plan
 
     def _set_plan(self, plan: StagePlan) -> None:
@@ -501,7 +518,8 @@ class RoundPipe(nn.Module):
         trainable = [any(r.index is not None and r.host.requires_grad
                          for li in st.layers for r in refs[li]) for st in self._stages]
         return Layout(self._layers, refs, self._stages, trainable, self._locks,
-                      self._buffer_deps, self._stage_bytes, self.max_resident_bytes)
+                      self._buffer_deps, self._stage_bytes, self.max_resident_bytes,
+                      self._staging.plan.recompute)
 
     def _run_pass(self, spec: PassSpec, grad_sink=None) -> Pass:
         """Runs a pass: on this thread with one device in use, or when called from inside
@@ -562,8 +580,10 @@ class RoundPipe(nn.Module):
         The batch is split into microbatches (dim 0 of every batched tensor of ``input_args``,
         ``input_kwargs`` and ``label``, or ``split_fn``). The forward pass runs stage by stage,
         each stage's weights copied to its device for the stage and dropped after, keeping only
-        the stage inputs (on the host). The backward pass runs the stages in reverse, recomputing
-        each stage's forward (same randomness) before its backward. The loss of microbatch ``i``
+        the stage inputs (on the host), except for the stages that keep their weights and
+        autograd's saved tensors to their backward (``recompute``, :meth:`plan`). The backward
+        pass runs the stages in reverse, recomputing each other stage's forward (same
+        randomness) before its backward. The loss of microbatch ``i``
         is ``loss_fn(output_i, label_i)`` (``loss_fn(output_i)`` when ``label`` is None). With
         several devices, stage ``s`` runs on ``devices[s % len(devices)]``, all microbatches of
         it there, and the devices work on different stages at the same time (a pipeline).

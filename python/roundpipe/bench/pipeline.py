@@ -12,7 +12,7 @@ weights and for the optimizer, the bytes moved over their floor, and what bounds
   call as soon as it is written): how much of exact mode's overlap clipping keeps;
 - ``torch``: the reference, plain PyTorch training of the same model, whole, on the first
   device, in the model dtype, with ``torch.optim.AdamW`` (fused on CUDA); "does not fit" when
-  the device runs out of memory;
+  the device runs out of memory. RoundPipe's modes are compared with it per round;
 - ``torch+recompute``: the same with RoundPipe's recomputation: every module but the last
   under ``torch.utils.checkpoint`` (non-reentrant, early stop off, so each recomputes its
   whole forward in the backward, as a RoundPipe stage does). RoundPipe's modes are also
@@ -29,6 +29,10 @@ alone (the time of ``step(opt)`` in ``sync``) and the PCIe bytes (each direction
 iteration over the pinned copy's peak bandwidth): ``off`` and ``sync`` cannot overlap the step,
 their bound is ``max(compute, PCIe) + step``; ``async`` and ``exact`` overlap it, theirs is
 ``max(compute, PCIe, step)``.
+
+RoundPipe's modes recompute as ``--recompute`` says: ``auto`` (the default: the planner keeps
+the saved tensors of the stages that fit the memory budget, on the CPU device all of them),
+``all`` (every stage but the last recomputes, the upstream design) or ``none``.
 
 ``--model llama`` trains a Hugging Face ``LlamaForCausalLM`` built from its config (``--hidden``,
 ``--intermediate``, ``--heads``, ``--kv-heads``, ``--vocab``) through
@@ -60,6 +64,7 @@ and printed.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import time
@@ -76,6 +81,8 @@ from . import (MIN_REPEATS, Figure, available_cpus, compare, interleave, paired_
 
 MODES = ("off", "sync", "async", "exact", "exact+clip", "torch", "torch+recompute",
          "fsdp2-offload")
+#: --recompute -> RoundPipe(recompute=...)
+RECOMPUTE = {"auto": "auto", "all": True, "none": False}
 DEFAULT_MODES = MODES[:-1]
 ROUNDPIPE_MODES = ("off", "sync", "async", "exact", "exact+clip")
 
@@ -207,7 +214,8 @@ class RoundPipeRun(_Contender):
         super()._build()
         a = self.args
         kwargs = dict(device=self.devices, layers_per_stage=a.layers_per_stage,
-                      num_microbatch=a.microbatches, prefetch=self.mode != "off")
+                      num_microbatch=a.microbatches, prefetch=self.mode != "off",
+                      recompute=RECOMPUTE[a.recompute])
         if a.model == "llama":
             import roundpipe
 
@@ -216,11 +224,18 @@ class RoundPipeRun(_Contender):
             self.model = RoundPipe(self.net, optim_dtype=torch.float32, **kwargs)
         with OptimizerCtx():
             self.opt = rpo.AdamW(self.model.parameters(), lr=1e-4)
-        for _ in range(8):  # an automatic plan settles before anything is timed
+        # an automatic plan (stages, recomputation) settles before anything is timed; its
+        # training is undone, so that every mode trains the same steps on the same batches
+        before = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()),
+                  self.batches_seen)
+        for _ in range(8):
             if self.model.plan().kept:
                 break
             self.iteration(self._batch())
         self._sync()
+        self.model.load_state_dict(before[0])
+        self.opt.load_state_dict(before[1])
+        self.batches_seen = before[2]
 
     def iteration(self, b: torch.Tensor):
         if self.args.model == "llama":  # HF's own loss (labels shifted inside)
@@ -254,6 +269,7 @@ class RoundPipeRun(_Contender):
         row["bytes"] = {k: v for k, v in stats.items() if k.endswith("_bytes")}
         row["stages"] = stats["stages"]
         row["plan"] = list(self.model.plan().sizes)
+        row["recompute"] = [s for s, r in enumerate(self.model.plan().recompute) if r]
         if self.step_s:
             row["step_s"] = sorted(self.step_s)[len(self.step_s) // 2]
             self.step_s.clear()
@@ -399,7 +415,7 @@ def measure(args, devices: list[str], dtype: torch.dtype, threads: dict) -> list
             if values:
                 f = Figure.of(values)
                 row[key], row[key + "_range"] = f.median, [f.low, f.high]
-        for key in ("weights_vs_floor", "grads_vs_floor", "bytes", "stages", "plan"):
+        for key in ("weights_vs_floor", "grads_vs_floor", "bytes", "stages", "plan", "recompute"):
             if key in reps[0]:  # counts: the same each time
                 row[key] = reps[-1][key]
         steps = [r["step_s"] for r in reps if "step_s" in r]
@@ -505,6 +521,10 @@ def main(argv=None) -> None:
                     help="microbatches per batch (default: devices + 1)")
     ap.add_argument("--layers-per-stage", type=_stage_arg, default=None,
                     help="'auto' or an int (default: auto on CUDA, 1 on the CPU)")
+    ap.add_argument("--recompute", choices=tuple(RECOMPUTE), default="auto",
+                    help="RoundPipe's recomputation: auto (default: planned, stages that fit "
+                         "keep their saved tensors), all (every stage but the last "
+                         "recomputes) or none")
     ap.add_argument("--one-model", action="store_true",
                     help="one RoundPipe wrapper for every RoundPipe mode and one model for both "
                          "torch modes (for models too large to build once per mode)")
@@ -606,6 +626,7 @@ def print_table(rows: list[dict], cuda: bool, peak, limits: dict) -> None:
             line += f"  ({r['note']})"
         print(line)
     for ref, what in (("off", "the tokens/s of overlap off"),
+                      ("torch", "the tokens/s of plain torch (no recomputation)"),
                       ("torch+recompute", "the tokens/s of torch with the same recomputation")):
         base = next((r for r in rows if r["mode"] == ref and r["tokens_per_s"]), None)
         for r in rows:
@@ -627,6 +648,6 @@ def print_table(rows: list[dict], cuda: bool, peak, limits: dict) -> None:
               f"iteration); {b['ratio']:.2f}x of it")
     for r in rows:
         if r.get("plan"):
-            print(f"{r['mode']}: stages {r['plan']}")
+            print(f"{r['mode']}: stages {r['plan']}, recomputing {r['recompute'] or 'none'}")
     if cuda:
         print(f"pinned host-to-device copy peak: {peak:.2f} GB/s")

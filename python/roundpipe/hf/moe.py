@@ -23,10 +23,16 @@ pass gathers ``A``, ``P`` and ``R`` over every microbatch; every recomputation r
 whole forward pass (the backward of a stage follows the forward of all earlier stages), so it
 knows them, and adds that gradient to its router through :class:`_AddAuxGrad` (the "auxiliary
 loss auto-scaler" of Megatron-LM's MoE layer: identity forward, a constant gradient for the
-auxiliary term in backward). The loss value ``router_aux_loss_coef * aux`` is computed once from
-the gathered sums at the end of the pass. Because the gradient needs the whole forward pass, a
-MoE layer cannot share the last stage (which runs only once, with autograd) when the auxiliary
-loss is on; :func:`roundpipe.wrap_model_to_roundpipe` checks that.
+auxiliary term in backward, read when the backward runs). The loss value
+``router_aux_loss_coef * aux`` is computed once from the gathered sums at the end of the pass.
+Because the gradient needs the whole forward pass, a MoE layer cannot share the last stage
+(which runs forward and backward microbatch by microbatch) when the auxiliary loss is on;
+:func:`roundpipe.wrap_model_to_roundpipe` checks that.
+
+**Stages that do not recompute** (:mod:`roundpipe.planner`) run each decoder layer once, with
+autograd, in the forward pass: the router's own routing is the one differentiated, nothing is
+kept for a recomputation, and the auxiliary-loss gradient is attached there (its backward runs
+after the whole forward pass, when ``A`` and ``R`` are known).
 
 Per-family code: the recomputed routing weights follow the Qwen3-MoE router
 (``softmax`` in fp32, top-k, renormalised when ``norm_topk_prob``, cast to the logits' dtype),
@@ -48,20 +54,20 @@ _local = threading.local()
 
 
 class _AddAuxGrad(torch.autograd.Function):
-    """Returns ``x`` unchanged; in backward, gives ``aux`` the gradient 1 (so ``aux``, a scalar
-    built from the router probabilities, adds its gradient to them) and passes ``x``'s gradient
-    through. Technique of Megatron-LM's ``MoEAuxLossAutoScaler``."""
+    """Returns ``x`` unchanged; in backward, passes ``x``'s gradient through and gives ``sums``
+    (one router's mask-weighted probability sums over its tokens, fp32 ``(E,)``) the gradient
+    of the scaled auxiliary loss, :meth:`RouterStats.grad_scale`, read then (so it may be
+    attached before the forward pass has gathered every router's counts). Technique of
+    Megatron-LM's ``MoEAuxLossAutoScaler``."""
 
     @staticmethod
-    def forward(ctx, x, aux):
-        ctx.aux_shape = aux.shape
-        ctx.aux_meta = (aux.dtype, aux.device)
+    def forward(ctx, x, sums, stats, coef):
+        ctx.stats, ctx.coef, ctx.device = stats, coef, sums.device
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        dtype, device = ctx.aux_meta
-        return grad, torch.ones(ctx.aux_shape, dtype=dtype, device=device)
+        return grad, ctx.stats.grad_scale(ctx.device, ctx.coef), None, None
 
 
 class RouterStats:
@@ -156,9 +162,10 @@ class _LayerRouting:
     attention mask (or None), and the routing kept from the forward pass (recomputation)."""
 
     def __init__(self, stats: RouterStats, mask: Optional[torch.Tensor], coef: Optional[float],
-                 recomputing: bool, kept: list) -> None:
+                 recomputing: bool, kept: list, saves: bool) -> None:
         self.stats, self.mask, self.coef = stats, mask, coef
         self.recomputing, self.kept, self.made = recomputing, kept, []
+        self.saves = saves  # the routing is kept for a recomputation
 
 
 class routing_scope:
@@ -176,13 +183,14 @@ class routing_scope:
         rec = recompute.doing_recompute()
         kept = list(recompute.get_recompute_data()) if rec else []
         self.outer = getattr(_local, "routing", None)
-        self.ctx = _LayerRouting(self.stats, self.mask, self.coef, rec, kept)
+        self.ctx = _LayerRouting(self.stats, self.mask, self.coef, rec, kept,
+                                 recompute.will_recompute())
         _local.routing = self.ctx
         return self
 
     def __exit__(self, *exc):
         _local.routing = self.outer
-        if exc[0] is None and not self.ctx.recomputing:
+        if exc[0] is None and self.ctx.saves:
             recompute.save_for_recompute(*self.ctx.made)
 
 
@@ -195,23 +203,25 @@ def router_hook(router: nn.Module, inputs: tuple, output: Any) -> Any:
         return output
     logits, weights, indices = output
     if not ctx.recomputing:
-        ctx.made.append(_to_host(indices.detach()))
+        if ctx.saves:
+            ctx.made.append(_to_host(indices.detach()))
         if ctx.stats is not None:
             ctx.stats.add(_router_sums(logits.detach(), indices, ctx.mask, ctx.stats.num_experts))
-        return output
-    indices = _to_device(ctx.kept.pop(0), logits.device)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    weights = probs.gather(1, indices)
-    if router.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights.to(logits.dtype)
+        if not torch.is_grad_enabled():  # a forward visit: the recomputation differentiates
+            return output
+    else:
+        indices = _to_device(ctx.kept.pop(0), logits.device)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights = probs.gather(1, indices)
+        if router.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
     if ctx.coef is not None and ctx.stats is not None and torch.is_grad_enabled():
         # HF's aux loss takes the softmax in the logits' dtype, then sums in fp32
         p = torch.softmax(logits, dim=-1).float()
         if ctx.mask is not None:
             p = p * ctx.mask.to(device=p.device, dtype=p.dtype).unsqueeze(1)
-        term = (p.sum(0) * ctx.stats.grad_scale(logits.device, ctx.coef)).sum()
-        weights = _AddAuxGrad.apply(weights, term)
+        weights = _AddAuxGrad.apply(weights, p.sum(0), ctx.stats, ctx.coef)
     return logits, weights, indices
 
 

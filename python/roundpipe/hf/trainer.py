@@ -238,7 +238,8 @@ class RoundPipeTrainerMixin:
               if getattr(args, n, None)]
         if on:
             warnings.warn(f"{_roundpipe_class(cls)}: {'/'.join(on)}=True is switched off: "
-                          "RoundPipe already recomputes every layer in the backward pass (HF's "
+                          "RoundPipe already recomputes in the backward pass the stages whose "
+                          "saved tensors do not fit its memory budget (its recompute=; HF's "
                           "checkpointing would recompute a second time)", UserWarning, stacklevel=4)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # the deprecated alias

@@ -4,7 +4,8 @@ or earlier (prefetch) when the device supports it and it keeps the memory bound.
 A visit's upload first waits until none of its layers is being written by the optimizer
 side (:class:`roundpipe.threads.LayerGates`) and until every earlier stage that
 shares a module holding buffers with it has finished its forward visit (so buffer updates,
-e.g. BatchNorm statistics of a module used twice, happen in model order). The next visit's
+e.g. BatchNorm statistics of a module used twice, happen in model order). A kept stage's backward visit
+uploads nothing (its forward visit's weights are still there). The next visit's
 weights are prefetched only when that is already true, when the device is done with the
 visit before the current one (at most two stages of weights resident) and when the current
 and next stage fit under ``max_resident_bytes``.
@@ -78,8 +79,8 @@ class WeightFetcher:
         self._next: Optional[tuple[int, tuple]] = None  # (visit position, (weights, event))
 
     def _upload(self, k: int) -> tuple[StageWeights, object]:
-        v = self.visits[k]
-        return self.io.upload(self.refs(v.stage), v.backward)
+        v = self.visits[k]  # a kept stage's forward visit runs with autograd
+        return self.io.upload(self.refs(v.stage), v.backward or v.kept)
 
     def start_from(self, carried: Optional[tuple]) -> bool:
         """Takes ``carried`` (:meth:`upload_ahead`'s result in the pass before, or None) as the
@@ -119,6 +120,8 @@ class WeightFetcher:
         """During visit ``k``: starts the upload of visit ``k + 1`` if allowed (see the module
         docstring); does not wait for anything."""
         if not self.io.prefetch or self._next is not None or k + 1 >= len(self.visits):
+            return
+        if self.visits[k + 1].backward and self.visits[k + 1].kept:  # uploads nothing
             return
         stage, nxt = self.visits[k].stage, self.visits[k + 1].stage
         if self.cap is not None and self.stage_bytes[stage] + self.stage_bytes[nxt] > self.cap:

@@ -18,7 +18,10 @@ x hidden, whatever the tokens) is marked so by the code that saves it (:func:`fi
 kept apart, in bytes per layer.
 
 A layer's backward time is its stage's measured backward time shared among the stage's layers
-in proportion to their recomputation times (autograd runs a stage's backward as one call).
+in proportion to their recomputation times (autograd runs a stage's backward as one call). A
+stage that keeps its saved tensors (:mod:`roundpipe.planner`) runs its layers with autograd in
+its forward visit: those runs are measured as recomputations (the time keeping saves and the
+bytes it holds per microbatch).
 """
 
 from __future__ import annotations

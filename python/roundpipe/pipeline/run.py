@@ -10,6 +10,10 @@ sink sees the stages in descending order whatever the number of devices: a param
 in several stages (tied weights) gets its per-stage sums added in the same order every time,
 and results are bit-identical for any number of devices.
 
+A *kept* stage (:attr:`Layout.recompute`) runs its forward visit with autograd; its
+:class:`~roundpipe.pipeline.stage.StageVisit` (weights and graphs) waits in :attr:`Pass.kept`
+for its backward visit, which fetches nothing.
+
 A pass runs either on the devices' worker threads (several devices) or on the calling thread
 in the global order (one device, or a pass started from inside a layer of another RoundPipe,
 e.g. a teacher model: its workers could not run while the caller holds the RNG lock).
@@ -20,7 +24,7 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +52,8 @@ class Layout:
         buffer_deps: per stage, earlier stages sharing a module with buffers with it.
         stage_bytes: per stage, device bytes of its weights and buffers.
         max_resident_bytes: prefetch cap (None: none).
+        recompute: per stage, whether a training pass recomputes it (``()``: every stage but
+            the last; see :attr:`roundpipe.planner.StagePlan.recompute`).
     """
 
     layers: list[nn.Module]
@@ -58,11 +64,19 @@ class Layout:
     buffer_deps: list[list[int]]
     stage_bytes: list[int]
     max_resident_bytes: Optional[int]
+    recompute: Sequence[bool] = ()
 
     @property
     def first_backward(self) -> int:
         """The lowest stage with a trainable parameter (the last stage when there is none)."""
         return next((s for s, t in enumerate(self.trainable_stages) if t), len(self.stages) - 1)
+
+    def kept(self) -> list[bool]:
+        """Per stage, whether a training pass keeps its saved tensors from its forward visit to
+        its backward visit (it has both, and does not recompute)."""
+        S, first = len(self.stages), self.first_backward
+        return [bool(self.recompute) and not self.recompute[s] and first <= s < S - 1
+                for s in range(S)]
 
     def input_grad(self, stage: int) -> bool:
         """Whether the stage's floating inputs need a gradient: an earlier stage trains."""
@@ -90,7 +104,9 @@ class Pass:
         self.spec, self.layout, self.ios, self.gates, self.stats = spec, layout, ios, gates, stats
         self.grad_sink = grad_sink
         S, M = len(layout.stages), len(spec.microbatches)
-        self.order = pass_order(S, spec.training, layout.first_backward)
+        self.kept_stages = layout.kept() if spec.training else [False] * S
+        self.order = pass_order(S, spec.training, layout.first_backward, self.kept_stages)
+        self.kept: dict[int, StageVisit] = {}  # kept stages between their two visits
         self.acts = [[Slot() for _ in range(M)] for _ in range(S + 1)]
         for m, (args, kwargs, _) in enumerate(spec.microbatches):
             self.acts[0][m].set(((args, kwargs), None))
@@ -113,28 +129,32 @@ class Pass:
         pass before (:attr:`carried`) was counted there."""
         weight = grad = 0
         firsts = {v for v, _ in self.carried.values()}
+        floors: dict[int, tuple[int, int]] = {}
         for v in self.order:
             if v in firsts:
                 firsts.discard(v)
                 continue
-            w, g = self._visit_floor(v)
-            weight += w
-            grad += g
+            if v.stage not in floors:
+                floors[v.stage] = self._stage_floor(v.stage)
+            w, g = floors[v.stage]
+            weight += 0 if v.backward and v.kept else w  # a kept stage's weights: uploaded once
+            grad += g if v.backward else 0
         self.stats.add("weight_floor_bytes", weight)
         self.stats.add("param_grad_floor_bytes", grad)
 
-    def _visit_floor(self, v: Visit) -> tuple[int, int]:
-        """Bytes of weights a visit uploads and of parameter gradients it downloads, at least."""
+    def _stage_floor(self, s: int) -> tuple[int, int]:
+        """Bytes of weights a visit of stage ``s`` uploads and of parameter gradients its
+        backward visit downloads, at least."""
         M = len(self.spec.microbatches)
         weight = grad = 0
         seen = set()
-        for li in self.layout.stages[v.stage].layers:
+        for li in self.layout.stages[s].layers:
             for ref in self.layout.refs[li]:
                 if ref.is_buffer or id(ref.host) in seen:
                     continue
                 seen.add(id(ref.host))
                 weight += ref.host.numel() * ref.host.element_size()
-                if v.backward and ref.index is not None and ref.host.requires_grad:
+                if ref.index is not None and ref.host.requires_grad:
                     grad += ref.host.numel() * min(M * ref.host.element_size(), 4)
         return weight, grad
 
@@ -156,8 +176,10 @@ class Pass:
                         [functools.partial(_run_device, runners[d]) for d in used], abort)
         finally:
             abort.set()
+            self.kept.clear()  # a failed pass's kept stages
             for d in used:
                 self.ios[d].finish()
+                self.ios[d].flush_counts()
             self.stats.set("host_stage_input_bytes", self._held_most)
         if self.spec.upload_ahead and self.spec.carry is not None:
             self._upload_ahead(runners)
@@ -169,17 +191,19 @@ class Pass:
         for d, runner in runners.items():
             with self.ios[d].activate():
                 item = runner.fetcher.upload_ahead()
+            self.ios[d].flush_counts()
             if item is not None:
                 self.spec.carry.put(d, item, self.ios[d])
-                self.stats.add("weight_floor_bytes", self._visit_floor(item[0])[0])
+                self.stats.add("weight_floor_bytes", self._stage_floor(item[0].stage)[0])
 
     def hand_over(self, s: int, m: int, item: tuple) -> None:
         """Gives stage ``s`` its input for microbatch ``m`` (a host tree and its event),
         counting its bytes while it is held (stage 0's input is the caller's, stage S's the
         pass's output: not counted)."""
         if 0 < s < len(self.layout.stages):
-            size = sum(t.numel() * t.element_size() for t in tree_flatten(item[0])[0]
-                       if isinstance(t, torch.Tensor))
+            tree = item[0]
+            size = tree.nbytes if type(tree) is torch.Tensor else sum(
+                t.nbytes for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
             with self._held_lock:
                 self._input_bytes[s][m] = size
                 self._held += size
@@ -195,7 +219,7 @@ class Pass:
 
     def stage_input_done(self, s: int) -> bool:
         """Whether nothing reads stage ``s``'s inputs after its forward visit."""
-        return not self.spec.training or s < self.layout.first_backward
+        return not self.spec.training or s < self.layout.first_backward or self.kept_stages[s]
 
 
 def _run_device(runner: "_DeviceRun", abort: threading.Event) -> None:
@@ -224,41 +248,52 @@ class _DeviceRun:
             k, self.k = self.k, self.k + 1
             v = self.visits[k]
             io.begin_visit()
-            weights = self.fetcher.get(k, self.abort)
             layout, p = self.pass_.layout, self.pass_
-            stage = layout.stages[v.stage]
-            visit = StageVisit(p.spec, stage, [layout.layers[li] for li in stage.layers], weights,
-                               io, layout.input_grad(v.stage),
-                               [layout.locks[li] for li in stage.layers],
-                               v.stage == len(layout.stages) - 1)
-            weights = None  # noqa: F841 - the visit holds them; they die with it
-            if v.backward:
-                self._backward(k, v.stage, visit)
+            if v.backward and v.kept:  # its forward visit's weights and graphs
+                visit = p.kept.pop(v.stage)
             else:
-                self._forward(k, v.stage, visit)
+                weights = self.fetcher.get(k, self.abort)
+                stage = layout.stages[v.stage]
+                last = v.stage == len(layout.stages) - 1
+                visit = StageVisit(p.spec, stage, [layout.layers[li] for li in stage.layers],
+                                   weights, io, layout.input_grad(v.stage),
+                                   [layout.locks[li] for li in stage.layers], last,
+                                   p.spec.training and not last and not v.kept
+                                   and v.stage >= layout.first_backward)
+                weights = None  # noqa: F841 - the visit holds them; they die with it
+            if v.backward:
+                self._backward(k, v, visit)
+            else:
+                self._forward(k, v, visit)
 
-    def _forward(self, k: int, s: int, visit: StageVisit) -> None:
-        p, abort = self.pass_, self.abort
-        last = s == len(p.layout.stages) - 1
+    def _forward(self, k: int, v: Visit, visit: StageVisit) -> None:
+        p, abort, s = self.pass_, self.abort, v.stage
+        kind = "output" if s == len(p.layout.stages) - 1 else "activation"
+        run = visit.keep_one_chunk if v.kept else visit.forward_one_chunk
+        done = p.stage_input_done(s)
         for m in range(len(p.spec.microbatches)):
             tree, event = p.acts[s][m].get(abort)
-            if p.stage_input_done(s):
+            if done:
                 p.drop_input(s, m)
-            p.hand_over(s + 1, m, visit.forward_one_chunk(m, tree, event,
-                                                          "output" if last else "activation"))
+            p.hand_over(s + 1, m, run(m, tree, event, kind))
             tree = None
             self.fetcher.maybe_prefetch(k)
         visit.finish(False, abort)
+        if v.kept:
+            p.kept[s] = visit
         p.forward_done[s].set(True)
 
-    def _backward(self, k: int, s: int, visit: StageVisit) -> None:
-        p, abort = self.pass_, self.abort
+    def _backward(self, k: int, v: Visit, visit: StageVisit) -> None:
+        p, abort, s = self.pass_, self.abort, v.stage
         last = s == len(p.layout.stages) - 1
         visit.begin_backward()
         for m in range(len(p.spec.microbatches)):
-            tree, event = p.acts[s][m].get(abort)
             grad_output = None if last else p.grads[s + 1][m].get(abort)
-            out = visit.backward_one_chunk(m, tree, event, grad_output)
+            if v.kept:
+                out = visit.backward_kept_chunk(m, grad_output)
+            else:
+                tree, event = p.acts[s][m].get(abort)
+                out = visit.backward_one_chunk(m, tree, event, grad_output)
             p.drop_input(s, m)
             if not last:
                 p.grads[s + 1][m].clear_value()

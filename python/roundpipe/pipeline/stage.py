@@ -8,11 +8,18 @@ the schedule's executor (:mod:`roundpipe.pipeline.run`), as ``torch.distributed.
   on a copy of the same input, then the backward from the next stage's input gradient (for
   the last stage: its only forward, the loss of the microbatch and the backward from it);
   parameter gradients are summed on the device over the visit's microbatches and downloaded
-  once by :meth:`StageVisit.finish`; the gradient of the stage input goes to the host.
+  once by :meth:`StageVisit.finish`; the gradient of the stage input goes to the host;
+- a *kept* stage (one that does not recompute, :mod:`roundpipe.planner`): its forward visit
+  runs the layers with autograd (:meth:`StageVisit.keep_one_chunk`) and the visit, with its
+  weights and every microbatch's graph, lives on until its backward visit, which runs only the
+  backward (:meth:`StageVisit.backward_kept_chunk`), each microbatch's graph freed after it.
 
 Stage inputs that need a gradient (floating tensors, when an earlier stage has trainable
-parameters) become leaves that collect it; the layers see a non-leaf alias of each (no copy),
-so a layer may modify its input in place as it could in plain PyTorch.
+parameters) become leaves that collect it; the layers see a copy of each made by autograd
+(``clone``, whose backward passes the gradient through in C++), so a layer may modify its input
+in place as it could in plain PyTorch. (An alias made by a custom ``autograd.Function`` avoided
+the copy, but its backward ran Python in the autograd engine for every stage and microbatch: it
+cost more than a small layer's compute.)
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 from torch import nn
 
 from ..plan import Stage
-from ..torch_private import tree_flatten, tree_unflatten
+from ..torch_private import run_backward, tree_flatten, tree_unflatten
 from ..transfer import DeviceIO, GradDownload, StageWeights, io_scope
 from .execute import run_layers
 from .meter import PassMeter
@@ -106,18 +113,6 @@ class PassSpec:
     upload_ahead: bool = False
 
 
-class _StageInput(torch.autograd.Function):
-    """Identity from a leaf to a non-leaf sharing its memory (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 def _weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
     """``loss`` times its microbatch's share of the batch, in float32 at least (a bf16 or fp16
     loss would round the share); a share of 0 gives an exact 0 and zero gradients, also for a
@@ -129,7 +124,7 @@ def _weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
 
 
 def _leaves(tree: Any) -> list:
-    return tree_flatten(tree)[0]
+    return [tree] if type(tree) is torch.Tensor else tree_flatten(tree)[0]
 
 
 class StageVisit:
@@ -144,13 +139,18 @@ class StageVisit:
         input_grad: whether its floating inputs need a gradient.
         locks: per layer of the stage, a lock held while it runs (or None).
         is_last: the model's last stage.
+        recomputes: its forward visit is recomputed in a backward visit of this pass (what
+            layers keep for it with :func:`roundpipe.save_for_recompute` is kept).
     """
 
     def __init__(self, spec: PassSpec, stage: Stage, layers: list[nn.Module],
                  weights: StageWeights, io: DeviceIO, input_grad: bool,
-                 locks: list, is_last: bool) -> None:
+                 locks: list, is_last: bool, recomputes: bool = False) -> None:
         self.spec, self.stage, self.layers, self.weights, self.io = spec, stage, layers, weights, io
         self.input_grad, self.locks, self.is_last = input_grad, locks, is_last
+        self.recomputes = recomputes
+        # a kept stage: per microbatch, (output, input leaves requiring grad, input leaf count)
+        self.graphs: list = []
 
     def begin_backward(self) -> None:
         """Before the first microbatch of a backward visit: gradients are summed on the
@@ -167,7 +167,8 @@ class StageVisit:
                                       exclude=exclude)
         with self.spec.autocast.enter(self.stage.device.type), io_scope(self.io):
             return run_layers(self.layers, self.stage.start, self.weights.layers, x, m,
-                              self.spec.call_seed, self.stage.device, self.spec.store,
+                              self.spec.call_seed, self.stage.device,
+                              self.spec.store if recomputing or self.recomputes else None,
                               recomputing, self.locks, meter)
 
     def _measured_backward(self, m: int):
@@ -186,6 +187,68 @@ class StageVisit:
         x = None  # noqa: F841 - the input copy may be freed before the output is copied
         return self.io.to_host(y, kind)
 
+    def _grad_input(self, host_input: Any, event: Any) -> tuple[Any, list, int]:
+        """Microbatch input on the device for a run with autograd: with :attr:`input_grad`, its
+        floating leaves require grad and the layers see copies of them made by autograd (see
+        the module docstring). Returns the tree, ``(leaf index, leaf)`` of the leaves that
+        collect a gradient, and the count of leaves."""
+        x = self.io.to_device(host_input, event, "activation")
+        self.io.throttle()
+        if not self.input_grad:
+            return x, [], 0
+        single = type(x) is torch.Tensor  # the usual stage input: no tree to walk
+        leaves, spec_tree = ([x], None) if single else tree_flatten(x)
+        grad_leaves = []
+        for k, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                grad_leaves.append((k, t.requires_grad_(True)))
+                leaves[k] = t.clone()
+        return (leaves[0] if single else tree_unflatten(leaves, spec_tree)), grad_leaves, len(leaves)
+
+    def _input_grads(self, grad_leaves: list, num_leaves: int) -> tuple[Any, Any]:
+        """The gradient of the stage input on the host (a list aligned with its leaves) and
+        the event of the copy."""
+        grads = [None] * num_leaves
+        for k, t in grad_leaves:
+            grads[k] = t.grad
+        return self.io.to_host(grads, "input_grad")
+
+    def _backward_from(self, m: int, y: Any, grad_output: tuple) -> None:
+        """The backward of microbatch ``m`` from the stage output ``y`` and ``grad_output``,
+        the next stage's input gradient (a host list aligned with ``y``'s leaves, and its
+        event): one call of the autograd engine for the stage."""
+        g_host, g_event = grad_output
+        pairs = [(t, g) for t, g in zip(_leaves(y), g_host)
+                 if isinstance(t, torch.Tensor) and t.requires_grad and g is not None]
+        y = None
+        if pairs:
+            grads = self.io.to_device([g for _, g in pairs], g_event, "input_grad")
+            with self._measured_backward(m):
+                run_backward([t for t, _ in pairs], grads)
+
+    def keep_one_chunk(self, m: int, host_input: Any, event: Any, kind: str) -> tuple[Any, Any]:
+        """A kept stage's forward on microbatch ``m``: with autograd, the output and what the
+        backward needs kept in the visit for :meth:`backward_kept_chunk`; returns the output
+        on the host (counted as ``kind``) and the event of the copy."""
+        x, grad_leaves, num_leaves = self._grad_input(host_input, event)
+        with torch.enable_grad():
+            y = self._run(x, m, recomputing=False)
+        x = None  # noqa: F841
+        if not self.graphs:
+            self.graphs = [None] * len(self.spec.microbatches)
+        self.graphs[m] = (y, grad_leaves, num_leaves)
+        return self.io.to_host(y, kind)
+
+    def backward_kept_chunk(self, m: int, grad_output: tuple) -> dict:
+        """A kept stage's backward on microbatch ``m`` from ``grad_output`` (as
+        :meth:`backward_one_chunk`), on the graph its forward visit kept, which is freed.
+        Returns a dict with ``input_grad`` (only when :attr:`input_grad`)."""
+        y, grad_leaves, num_leaves = self.graphs[m]
+        self.graphs[m] = None
+        self._backward_from(m, y, grad_output)  # the graph is built: no grad mode needed
+        y = None  # noqa: F841
+        return {"input_grad": self._input_grads(grad_leaves, num_leaves)} if self.input_grad else {}
+
     def backward_one_chunk(self, m: int, host_input: Any, event: Any,
                            grad_output: Optional[tuple] = None) -> dict:
         """Recomputes the stage on microbatch ``m`` with autograd and runs its backward:
@@ -202,21 +265,11 @@ class StageVisit:
             RuntimeError: the loss does not require grad (nothing would be trained).
         """
         io, spec = self.io, self.spec
-        x = io.to_device(host_input, event, "activation")
-        io.throttle()
-        leaves, spec_tree = tree_flatten(x)
-        grad_leaves = []
-        if self.input_grad:
-            for k, t in enumerate(leaves):
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    t.requires_grad_(True)
-                    grad_leaves.append((k, t))
-                    leaves[k] = _StageInput.apply(t)
-            x = tree_unflatten(leaves, spec_tree)
+        x, grad_leaves, num_leaves = self._grad_input(host_input, event)
         out: dict = {}
         with torch.enable_grad():
             y = self._run(x, m, recomputing=not self.is_last)
-            x = leaves = None
+            x = None  # noqa: F841
             if self.is_last:
                 mb = spec.microbatches[m]
                 with spec.autocast.enter(self.stage.device.type):
@@ -244,22 +297,12 @@ class StageVisit:
                     loss = loss * torch.full((), spec.loss_scale, dtype=torch.float32,
                                              device=loss.device)
                 with self._measured_backward(m):
-                    loss.backward()
+                    run_backward([loss], [None])
             else:
-                g_host, g_event = grad_output
-                pairs = [(t, g) for t, g in zip(_leaves(y), g_host)
-                         if isinstance(t, torch.Tensor) and t.requires_grad and g is not None]
+                self._backward_from(m, y, grad_output)
                 y = None
-                if pairs:
-                    grads = io.to_device([g for _, g in pairs], g_event, "input_grad")
-                    with self._measured_backward(m):
-                        torch.autograd.backward([t for t, _ in pairs], grads)
-                pairs = grads = None  # noqa: F841
         if self.input_grad:
-            grads = [None] * spec_tree.num_leaves
-            for k, t in grad_leaves:
-                grads[k] = t.grad
-            out["input_grad"] = io.to_host(grads, "input_grad")
+            out["input_grad"] = self._input_grads(grad_leaves, num_leaves)
         return out
 
     def finish(self, backward: bool, abort) -> Optional[GradDownload]:

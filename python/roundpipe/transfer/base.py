@@ -99,7 +99,17 @@ class GradDownload(NamedTuple):
 
 
 def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return t.nbytes
+
+
+def _map(move: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree_map(move, tree)``, without the tree walk for what stages hand each other most:
+    one tensor, or a flat list of tensors and Nones (input gradients)."""
+    if type(tree) is torch.Tensor:
+        return move(tree)
+    if type(tree) is list and all(x is None or type(x) is torch.Tensor for x in tree):
+        return [move(x) for x in tree]
+    return tree_map(move, tree)
 
 
 class Done:
@@ -123,15 +133,21 @@ def current_io() -> Optional["DeviceIO"]:
     return getattr(_current, "io", None)
 
 
-@contextlib.contextmanager
-def io_scope(io: "DeviceIO"):
-    """Makes ``io`` what :func:`current_io` returns on this thread while the block runs."""
-    outer = getattr(_current, "io", None)
-    _current.io = io
-    try:
-        yield
-    finally:
-        _current.io = outer
+class io_scope:
+    """Makes ``io`` what :func:`current_io` returns on this thread while the block runs (a
+    context manager)."""
+
+    __slots__ = ("io", "outer")
+
+    def __init__(self, io: "DeviceIO") -> None:
+        self.io = io
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_current, "io", None)
+        _current.io = self.io
+
+    def __exit__(self, *exc) -> None:
+        _current.io = self.outer
 
 
 class DeviceIO:
@@ -150,6 +166,21 @@ class DeviceIO:
         self.device = device
         self.stats = stats
         self._grad_permits = Permits(self.grad_downloads_in_flight)
+        # bytes moved, by (direction, kind), since the last flush_counts: counted by this
+        # device's worker alone while a pass runs, added to the stats once at its end
+        self._bytes: dict[tuple[str, str], int] = {}
+
+    def _moved(self, direction: str, kind: str, n: int) -> None:
+        """Counts ``n`` bytes moved ``direction`` (``"h2d"`` / ``"d2h"``) as ``kind``."""
+        key = (direction, kind)
+        self._bytes[key] = self._bytes.get(key, 0) + n
+
+    def flush_counts(self) -> None:
+        """Adds the bytes counted since the last call to the stats (after a pass, once its
+        workers are done)."""
+        counts, self._bytes = self._bytes, {}
+        for (direction, kind), n in counts.items():
+            self.stats.moved(direction, kind, n)
 
     # --- primitives of a device type ----------------------------------------------------------
 
@@ -174,6 +205,7 @@ class DeviceIO:
         return dev
 
     def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (which may require grad) detached, on the host."""
         raise NotImplementedError
 
     def _keep_for_compute(self, t: torch.Tensor) -> None:
@@ -259,10 +291,10 @@ class DeviceIO:
                         size = nbytes(t)
                         weights.nbytes += size
                         if ref.is_buffer:
-                            self.stats.moved("h2d", "buffer", size)
+                            self._moved("h2d", "buffer", size)
                             buffers.append((ref.host, t, ref.owner))
                         else:
-                            self.stats.moved("h2d", "weight", size)
+                            self._moved("h2d", "weight", size)
                             if with_grad:
                                 if ref.index is not None and ref.host.requires_grad:
                                     t.requires_grad_(True)
@@ -298,10 +330,10 @@ class DeviceIO:
         def move(x):
             if not isinstance(x, torch.Tensor):
                 return x
-            self.stats.moved("h2d", kind, nbytes(x))
-            return self._copy_to_device(x.detach())
+            self._moved("h2d", kind, nbytes(x))
+            return self._copy_to_device(x)
 
-        return tree_map(move, tree)
+        return _map(move, tree)
 
     def _wait_host_copy(self, event: Any) -> None:
         """The next device copies wait for host data made ready by ``event``."""
@@ -312,11 +344,11 @@ class DeviceIO:
         def move(x):
             if not isinstance(x, torch.Tensor):
                 return x
-            self.stats.moved("d2h", kind, nbytes(x))
-            return self._copy_to_host(x.detach())
+            self._moved("d2h", kind, nbytes(x))
+            return self._copy_to_host(x)
 
         with self._download_stream() as done:
-            out = tree_map(move, tree)
+            out = _map(move, tree)
         return out, done.event
 
     def sum_grads_over(self, weights: StageWeights, microbatches: int) -> None:
@@ -369,9 +401,9 @@ class DeviceIO:
         self._grad_permits.acquire(abort)
         try:
             for _, g in sources:
-                self.stats.moved("d2h", "param_grad", nbytes(g))
+                self._moved("d2h", "param_grad", nbytes(g))
             if norms_sq is not None:
-                self.stats.moved("d2h", "output", nbytes(norms_sq))
+                self._moved("d2h", "output", nbytes(norms_sq))
             return self._download_grads(sources, norms_sq, abort)
         except BaseException:
             self._grad_permits.release()
@@ -393,7 +425,7 @@ class DeviceIO:
         changed = [(host, dev) for host, dev, _, owner in weights.buffers if owner in moved]
         if changed:
             for host, dev in changed:
-                self.stats.moved("d2h", "buffer", nbytes(dev))
+                self._moved("d2h", "buffer", nbytes(dev))
             self._write_back_buffers(changed)
 
     def _write_back_buffers(self, changed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -426,7 +458,7 @@ class DeviceIO:
         """Copies device KV entries into ``host`` (same shape and dtype; counted as
         ``d2h_kv_bytes``) once the compute issued so far has produced them; returns the event
         of the copy (None: already done). The end of the pass (:meth:`finish`) waits for it."""
-        self.stats.moved("d2h", "kv", nbytes(dev))
+        self._moved("d2h", "kv", nbytes(dev))
         with self._download_stream() as done:
             self._copy_into_host(dev, host)
         return done.event

@@ -48,7 +48,7 @@ class CpuIO(DeviceIO):
                 dev.copy_(host)
 
     def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+        return t.detach()
 
     @contextlib.contextmanager
     def _upload_stream(self):
@@ -66,7 +66,7 @@ class CpuIO(DeviceIO):
     def kv_to_device(self, host: torch.Tensor, after) -> torch.Tensor:
         """The host KV entries themselves (counted as if copied): the layer only reads them,
         and nothing writes them during the pass."""
-        self.stats.moved("h2d", "kv", nbytes(host))
+        self._moved("h2d", "kv", nbytes(host))
         return host
 
     def _download_grads(self, sources, norms_sq, abort=None) -> GradDownload:

@@ -475,7 +475,7 @@ class CudaIO(DeviceIO):
         with torch.cuda.stream(self.acts):
             if after is not None:
                 self.acts.wait_event(after)
-            self.stats.moved("h2d", "kv", nbytes(host))
+            self._moved("h2d", "kv", nbytes(host))
             dev = self._copy_to_device(host)
             done.record(self.acts)
         return dev, done
