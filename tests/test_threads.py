@@ -163,3 +163,37 @@ def test_interpreter_exit_while_a_daemon_thread_is_inside_a_step_ends_the_proces
                               timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "exiting" in done.stdout
+
+
+def test_the_exit_gate_waits_for_the_threads_inside_and_parks_those_that_enter_after():
+    """What interpreter exit does with optimizer steps on daemon threads (the test above sees
+    its effect only a few times in a hundred exits): ``close`` returns once the thread inside
+    leaves, a thread entering afterwards never gets in, the closing thread itself does."""
+    from roundpipe.threads import ExitGate
+
+    gate, inside, leave, entered = ExitGate(), threading.Event(), threading.Event(), []
+
+    def worker():
+        with gate:
+            inside.set()
+            leave.wait(30)
+
+    def late():
+        with gate:
+            entered.append(True)
+
+    first = threading.Thread(target=worker, daemon=True)
+    first.start()
+    assert inside.wait(30)
+    assert gate.close(0.2) is False            # still inside: the bounded wait gives up
+    threading.Timer(0.3, leave.set).start()
+    assert gate.close(30) is True              # returned once it left
+    first.join(30)
+    assert not first.is_alive()
+    second = threading.Thread(target=late, daemon=True)
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and entered == []  # parked: the interpreter is exiting
+    with gate:                                  # the thread that closed it steps on
+        entered.append("closer")
+    assert entered == ["closer"]

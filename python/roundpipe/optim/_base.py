@@ -6,6 +6,7 @@ gathering a parameter group into the lists one C++ call takes."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 import operator
@@ -20,7 +21,20 @@ from torch.optim import Optimizer
 from .. import _C
 from . import compact
 from ..disk import StateStore, any_open, store_of
+from ..threads import STEP_GATE
 from ..torch_private import mark_stepped, tree_map
+
+
+def _gated(fn: Callable) -> Callable:
+    """``fn`` run inside :data:`roundpipe.threads.STEP_GATE` (its C++ work ends before the
+    interpreter finalises)."""
+
+    @functools.wraps(fn)
+    def gated(*args, **kwargs):
+        with STEP_GATE:
+            return fn(*args, **kwargs)
+
+    return gated
 
 
 def scalar(x: Any) -> float:
@@ -231,6 +245,14 @@ class CpuOptimizer(Optimizer):
             (field, *cls._option_keys.get(field, (field, None)),
              isinstance(getattr(defaults, field), float))
             for field in cls._options_type.fields)
+
+    @staticmethod
+    def profile_hook_step(func: Callable) -> Callable:
+        """torch's wrapper of ``step`` (its step hooks and profiler range, installed once per
+        class by ``Optimizer.__init__``), itself run inside :data:`roundpipe.threads.STEP_GATE`:
+        a daemon thread's step, torch's C++ calls around it included, ends before the
+        interpreter finalises."""
+        return _gated(Optimizer.profile_hook_step(func))
 
     def __init__(self, params, defaults: dict[str, Any], *, state_dtype: Any = torch.float32,
                  stochastic_rounding: bool = False, seed: Optional[int] = None) -> None:
@@ -775,6 +797,7 @@ class CpuOptimizer(Optimizer):
                         room.extent if room.store is store else None)
 
     @torch.no_grad()
+    @_gated
     def fused_step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    model_copies: Optional[Sequence[torch.Tensor]] = None, *,
                    grad_scale: Optional[float] = None, clip_factor: float = 1.0,
