@@ -25,7 +25,7 @@ LAYERS = [
      "roundpipe.plan", "roundpipe.context", "roundpipe.guards", "roundpipe.recompute",
      "roundpipe.microbatch", "roundpipe.clipping", "roundpipe.grad_scaler", "roundpipe.quant",
      "roundpipe.torch_private", "roundpipe.known_warnings", "roundpipe.fused_dequant",
-     "roundpipe.disk"],
+     "roundpipe.disk", "roundpipe.exit_gate"],
     ["roundpipe.optim"],                    # the optimizers: usable without the wrapper
     ["roundpipe.transfer"],                 # moving tensors to a device and back
     ["roundpipe.pipeline"],                 # the schedule, stages, passes
@@ -171,7 +171,7 @@ def test_the_optimizers_import_only_the_extension_and_host_buffers():
             todo.extend(GRAPH.get(m, ()))
     outside = sorted(m for m in reached if not m.startswith("roundpipe.optim")
                      and m not in ("roundpipe._C", "roundpipe.host_buffers",
-                                   "roundpipe.torch_private")
+                                   "roundpipe.torch_private", "roundpipe.exit_gate")
                      and not m.startswith("roundpipe.disk"))
     assert not outside, outside
 
@@ -191,6 +191,7 @@ def test_import_roundpipe_optim_loads_only_the_optimizers():
     loaded = eval(out.stdout)  # a printed list of module names
     assert "roundpipe.optim.adam" in loaded
     others = [m for m in loaded if m not in ("roundpipe", "roundpipe._C", "roundpipe.host_buffers",
-                                             "roundpipe.torch_private", "roundpipe.known_warnings")
+                                             "roundpipe.torch_private", "roundpipe.known_warnings",
+                                             "roundpipe.exit_gate")
               and not m.startswith(("roundpipe.optim", "roundpipe.disk"))]
     assert not others, others

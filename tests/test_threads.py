@@ -169,7 +169,7 @@ def test_the_exit_gate_waits_for_the_threads_inside_and_parks_those_that_enter_a
     """What interpreter exit does with optimizer steps on daemon threads (the test above sees
     its effect only a few times in a hundred exits): ``close`` returns once the thread inside
     leaves, a thread entering afterwards never gets in, the closing thread itself does."""
-    from roundpipe.threads import ExitGate
+    from roundpipe.exit_gate import ExitGate
 
     gate, inside, leave, entered = ExitGate(), threading.Event(), threading.Event(), []
 

@@ -28,63 +28,10 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from . import exit_gate  # noqa: F401 - its exit handler, registered first, runs after ours
+
 POLL_S = 0.05
-#: how long interpreter exit waits for the optimizer steps daemon threads are inside
-EXIT_WAIT_S = 300.0
 _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
-
-
-class ExitGate:
-    """Keeps threads out of C++ work while the interpreter finalises.
-
-    A daemon thread inside C++ code with the GIL released (an optimizer kernel, a torch op)
-    when the interpreter finalises is torn down as it takes the GIL back: a forced unwind
-    through C++ frames, which aborts the process ("terminate called without an active
-    exception"). Code that enters such work wraps it in ``with gate:``; at exit (an ``atexit``
-    handler that runs after the workers are stopped) :meth:`close` waits for the threads
-    inside, and a thread that enters afterwards (a daemon thread: every other one was joined
-    before ``atexit`` runs) waits forever, in Python, where finalisation ends it cleanly. The
-    thread that closed the gate still enters (exit handlers may step).
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._inside = 0
-        self._closer: Optional[int] = None  # the thread that closed the gate
-
-    def __enter__(self) -> None:
-        with self._cond:
-            park = self._closer is not None and self._closer != threading.get_ident()
-            if not park:
-                self._inside += 1
-        if park:
-            threading.Event().wait()  # the interpreter is exiting: never returns
-
-    def __exit__(self, *exc) -> None:
-        with self._cond:
-            self._inside -= 1
-            if self._inside == 0:
-                self._cond.notify_all()
-
-    def close(self, timeout: float) -> bool:
-        """Closes the gate and waits up to ``timeout`` seconds for the threads inside;
-        returns whether they all left."""
-        with self._cond:
-            self._closer = threading.get_ident()
-            return self._cond.wait_for(lambda: self._inside == 0, timeout)
-
-
-#: the gate of the optimizer steps (:mod:`roundpipe.optim`)
-STEP_GATE = ExitGate()
-
-
-@atexit.register  # registered before _stop_workers: runs after it (exit handlers run in reverse)
-def _close_step_gate() -> None:
-    if not STEP_GATE.close(EXIT_WAIT_S):
-        import sys
-
-        print(f"roundpipe: an optimizer step still ran {EXIT_WAIT_S:.0f} s after interpreter "
-              "exit began; exiting anyway", file=sys.stderr)
 
 
 @atexit.register

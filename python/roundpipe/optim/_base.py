@@ -21,12 +21,12 @@ from torch.optim import Optimizer
 from .. import _C
 from . import compact
 from ..disk import StateStore, any_open, store_of
-from ..threads import STEP_GATE
+from ..exit_gate import STEP_GATE
 from ..torch_private import mark_stepped, tree_map
 
 
 def _gated(fn: Callable) -> Callable:
-    """``fn`` run inside :data:`roundpipe.threads.STEP_GATE` (its C++ work ends before the
+    """``fn`` run inside :data:`roundpipe.exit_gate.STEP_GATE` (its C++ work ends before the
     interpreter finalises)."""
 
     @functools.wraps(fn)
@@ -249,9 +249,9 @@ class CpuOptimizer(Optimizer):
     @staticmethod
     def profile_hook_step(func: Callable) -> Callable:
         """torch's wrapper of ``step`` (its step hooks and profiler range, installed once per
-        class by ``Optimizer.__init__``), itself run inside :data:`roundpipe.threads.STEP_GATE`:
-        a daemon thread's step, torch's C++ calls around it included, ends before the
-        interpreter finalises."""
+        class by ``Optimizer.__init__``), itself run inside
+        :data:`roundpipe.exit_gate.STEP_GATE`: a daemon thread's step, torch's C++ calls
+        around it included, ends before the interpreter finalises."""
         return _gated(Optimizer.profile_hook_step(func))
 
     def __init__(self, params, defaults: dict[str, Any], *, state_dtype: Any = torch.float32,
